@@ -1,0 +1,98 @@
+"""Configuration dataclasses: one per concern, frozen, validated at construction.
+
+ModelConfig describes a checkpoint's architecture (read from GGUF metadata or config.json);
+RuntimeConfig says how to run it (device, linear-layer path, KV cache sizing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+LINEAR_PATHS = ("auto", "int4_cpu", "triton", "reference")
+DEVICES = ("cpu", "cuda", "auto")
+KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family architecture."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How to run a model: where, which linear path, and the KV cache's shape and budget."""
+
+    device: str = "cpu"
+    linear_path: str = "auto"  # auto: int4_cpu on the CPU, triton on CUDA
+    num_threads: int | None = None
+    block_size: int = 16
+    kv_dtype: str = "fp32"  # K and V, unless overridden below
+    k_dtype: str | None = None
+    v_dtype: str | None = None
+    num_kv_blocks: int | None = None  # fixed pool size; None: sized from the memory budget
+    kv_memory_fraction: float = 0.25  # of available memory, when num_kv_blocks is None
+    kv_memory_bytes: int | None = None  # overrides the fraction
+    max_model_len: int | None = None  # cap on context length; None: the model's own
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.linear_path not in LINEAR_PATHS:
+            raise ValueError(f"linear_path must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
+        for name in ("kv_dtype", "k_dtype", "v_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in KV_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_DTYPES}, got {value!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    @property
+    def key_dtype(self) -> str:
+        return self.k_dtype or self.kv_dtype
+
+    @property
+    def value_dtype(self) -> str:
+        return self.v_dtype or self.kv_dtype

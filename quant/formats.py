@@ -1,0 +1,143 @@
+"""Weight formats: the QuantizedTensor every loader produces and every kernel consumes.
+
+Formats (all group-wise along the input dimension K of an (N, K) weight):
+
+- ``int8``: symmetric, ``w = q * scale``; ``q`` int8 (N, K), ``scales`` (N, K // group).
+  Per-output-channel int8 is simply ``group_size == K``.
+- ``int4``: asymmetric, ``w = q * scale + min``; ``q`` in 0..15 packed two per byte along K
+  (element ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the high nibble), so
+  ``qweight`` is uint8 (N, K // 2); ``scales`` and ``mins`` are (N, K // group).
+  GGUF Q4_1 is exactly this with group 32 (``d`` and ``m`` per block); Q4_0 is ``min = -8 * d``.
+- ``nf4``: bitsandbytes' 4-bit NormalFloat, stored as bitsandbytes packs it (see quant.nf4).
+
+Scales and mins keep the dtype they were made in (fp16 from GGUF) so nothing is lost; kernels
+accumulate in fp32. This module owns packing and the quantize/dequantize pairs; it never
+touches files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMATS = ("int8", "int4", "nf4")
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantized (N, K) weight. ``shape`` is the logical (dequantized) shape."""
+
+    format: str
+    shape: tuple[int, int]
+    group_size: int
+    qweight: torch.Tensor  # int8 (N, K) | uint8 (N, K // 2) | nf4: bitsandbytes packed bytes
+    scales: torch.Tensor  # (N, K // group_size); nf4: absmax as bitsandbytes stores it
+    mins: torch.Tensor | None = None  # int4 only: (N, K // group_size)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown weight format {self.format!r}; expected one of {FORMATS}")
+        n, k = self.shape
+        if self.group_size <= 0 or k % self.group_size:
+            raise ValueError(
+                f"group_size {self.group_size} does not divide K={k} of a {self.format} weight"
+            )
+        if self.format == "nf4":
+            return
+        num_groups = k // self.group_size
+        if tuple(self.scales.shape) != (n, num_groups):
+            raise ValueError(f"scales have shape {tuple(self.scales.shape)}, expected {(n, num_groups)}")
+        if self.format == "int8":
+            if self.qweight.dtype != torch.int8 or tuple(self.qweight.shape) != (n, k):
+                raise ValueError(
+                    f"int8 qweight must be int8 {(n, k)}, got {self.qweight.dtype} {tuple(self.qweight.shape)}"
+                )
+        else:
+            if k % 2:
+                raise ValueError(f"int4 needs an even K, got {k}")
+            if self.qweight.dtype != torch.uint8 or tuple(self.qweight.shape) != (n, k // 2):
+                raise ValueError(
+                    f"int4 qweight must be uint8 {(n, k // 2)}, got {self.qweight.dtype} "
+                    f"{tuple(self.qweight.shape)}"
+                )
+            if self.mins is None or tuple(self.mins.shape) != (n, num_groups):
+                raise ValueError(f"int4 needs mins of shape {(n, num_groups)}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel reads to use this weight once."""
+        extra = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()
+        return (
+            self.qweight.numel() * self.qweight.element_size()
+            + self.scales.numel() * self.scales.element_size()
+            + extra
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weight in ``dtype``; computed in fp32 so every path agrees."""
+        if self.format == "int8":
+            return dequantize_int8(self.qweight, self.scales, self.group_size).to(dtype)
+        if self.format == "int4":
+            assert self.mins is not None
+            return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size).to(dtype)
+        from quant.nf4 import dequantize_nf4
+
+        return dequantize_nf4(self).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) integers in 0..15 -> uint8 (N, K // 2), element 2j low nibble, 2j+1 high."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even last dimension, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, K // 2) -> uint8 (N, K) in 0..15; inverse of pack_int4."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = w.shape
+    return w.reshape(n, k // group_size, group_size)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> QuantizedTensor:
+    """Round-to-nearest asymmetric int4: each group maps [min, max] onto 0..15."""
+    n, k = w.shape
+    g = _grouped(w.float(), group_size)
+    lo = g.amin(dim=-1)
+    hi = g.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).reshape(n, k)
+    return QuantizedTensor("int4", (n, k), group_size, pack_int4(q), scale, lo)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    q = unpack_int4(qweight).float()
+    n, k = q.shape
+    g = q.reshape(n, k // group_size, group_size)
+    return (g * scales.float()[..., None] + mins.float()[..., None]).reshape(n, k)
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedTensor:
+    """Round-to-nearest symmetric int8; ``group_size=None`` means one scale per output row."""
+    n, k = w.shape
+    group_size = group_size or k
+    g = _grouped(w.float(), group_size)
+    scale = (g.abs().amax(dim=-1) / 127).clamp(min=1e-8)
+    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return QuantizedTensor("int8", (n, k), group_size, q, scale)
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = qweight.shape
+    g = qweight.float().reshape(n, k // group_size, group_size)
+    return (g * scales.float()[..., None]).reshape(n, k)

@@ -1,0 +1,231 @@
+"""GGUF import: a .gguf file -> (ModelConfig, weights by HF name, tokenizer metadata).
+
+Q4_0 / Q4_1 become int4 group-32 QuantizedTensors and Q8_0 becomes int8 group-32, bit for bit
+(the fp16 block scales are kept as fp16). F32/F16/BF16 stay as they are. Any other type is
+dequantized by the gguf package and returned in fp32, with a warning naming it.
+
+llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE matches HF's
+rotate-half RoPE; we undo that permutation (rows only, so quantized rows move unchanged) and the
+model uses one RoPE for every source.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edgeinfer.config import ModelConfig
+from quant.formats import QuantizedTensor, pack_int4
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+Q4_BLOCK = 32
+
+# GGUF tensor name -> HF name ("{i}" is the layer index)
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be used: wrong architecture, truncated, missing tensors."""
+
+
+Weight = torch.Tensor | QuantizedTensor
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    config: ModelConfig
+    weights: dict[str, Weight]
+    tokenizer_metadata: dict[str, Any]
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def read_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(
+            f"unsupported architecture {arch!r}; edgeinfer runs {SUPPORTED_ARCHITECTURES}"
+        )
+    names = {t.name for t in reader.tensors}
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelFileError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+        architecture=arch,
+    )
+
+
+def read_tokenizer_metadata(reader: Any) -> dict[str, Any]:
+    meta = {}
+    for field_name in reader.fields:
+        if field_name.startswith("tokenizer."):
+            meta[field_name.removeprefix("tokenizer.")] = _field(reader, field_name)
+    if "ggml.tokens" not in meta:
+        raise ModelFileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    return meta
+
+
+def _q4_blocks(raw: np.ndarray, n: int, k: int, has_min: bool) -> QuantizedTensor:
+    """Q4_0/Q4_1 blocks -> int4 group-32. Block: d (fp16) [, m (fp16)], 16 bytes of nibbles where
+    byte j holds element j (low) and element j + 16 (high)."""
+    block_bytes = 20 if has_min else 18
+    blocks = raw.reshape(n, k // Q4_BLOCK, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if has_min:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        qs = blocks[..., 4:]
+    else:
+        m = (-8.0 * d.astype(np.float32)).astype(np.float16)
+        qs = blocks[..., 2:]
+    q = torch.from_numpy(np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, k))
+    scales = torch.from_numpy(d.copy())
+    mins = torch.from_numpy(m.copy())
+    if not has_min:
+        # -8 * d in fp16 can round; keep it exact in fp32 instead.
+        mins = -8.0 * scales.float()
+    return QuantizedTensor("int4", (n, k), Q4_BLOCK, pack_int4(q), scales, mins)
+
+
+def _q8_blocks(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
+    blocks = raw.reshape(n, k // Q4_BLOCK, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return QuantizedTensor("int8", (n, k), Q4_BLOCK, torch.from_numpy(q), torch.from_numpy(d.copy()))
+
+
+def convert_tensor(tensor: Any) -> Weight:
+    from gguf import GGMLQuantizationType as T
+    from gguf import dequantize
+
+    # GGUF lists dims fastest-first; torch wants (rows, cols).
+    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+    raw = np.asarray(tensor.data)
+    kind = tensor.tensor_type
+    if kind in (T.F32, T.F16):
+        return torch.from_numpy(raw.copy()).reshape(shape)
+    if kind == T.BF16:
+        return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(shape)
+    if len(shape) == 2 and kind in (T.Q4_0, T.Q4_1, T.Q8_0):
+        n, k = shape
+        if kind == T.Q8_0:
+            return _q8_blocks(raw, n, k)
+        return _q4_blocks(raw, n, k, has_min=kind == T.Q4_1)
+    log.warning("tensor %s has GGUF type %s: dequantized to fp32", tensor.name, kind.name)
+    return torch.from_numpy(dequantize(raw, kind).astype(np.float32)).reshape(shape)
+
+
+def unpermute_rope_rows(w: Weight, num_heads: int) -> Weight:
+    """Undo llama.cpp's Q/K row permutation (pairs interleaved -> rotate-half halves)."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[0]
+        return t.reshape(num_heads, n // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+    if isinstance(w, QuantizedTensor):
+        mins = None if w.mins is None else rows(w.mins)
+        return QuantizedTensor(w.format, w.shape, w.group_size, rows(w.qweight), rows(w.scales), mins)
+    return rows(w)
+
+
+def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+    """Read a GGUF file; errors name the file and what is wrong with it."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError) as exc:
+        raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    config = read_config(reader)
+    weights: dict[str, Weight] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            log.info("ignoring GGUF tensor %s", tensor.name)
+            continue
+        try:
+            weight = convert_tensor(tensor)
+        except ValueError as exc:
+            raise ModelFileError(f"{path}: tensor {tensor.name} is damaged: {exc}") from exc
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_kv_heads)
+        weights[name] = weight
+    check_weights(weights, config, str(path))
+    return GGUFModel(config, weights, read_tokenizer_metadata(reader))
+
+
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        names += [f"model.layers.{i}.{part}.weight" for part in _LAYER_NAMES.values()]
+    return names
+
+
+def check_weights(weights: dict[str, Weight], config: ModelConfig, source: str) -> None:
+    missing = [n for n in expected_weight_names(config) if n not in weights]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelFileError(f"{source} is missing tensor(s) {', '.join(missing[:3])}{more}")
