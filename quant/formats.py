@@ -141,3 +141,36 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
     n, k = qweight.shape
     g = qweight.float().reshape(n, k // group_size, group_size)
     return (g * scales.float()[..., None]).reshape(n, k)
+
+
+
+def concat_rows(weights: list[QuantizedTensor]) -> QuantizedTensor:
+    """Stack weights along N (QKV, gate/up fusion): same format, K, group size and dtypes required."""
+    if not weights:
+        raise ValueError("concat_rows needs at least one weight")
+    first = weights[0]
+    if first.format == "nf4":
+        raise ValueError("concat_rows does not support nf4 (bitsandbytes packs it flat)")
+    for i, w in enumerate(weights[1:], start=1):
+        mismatch = [
+            f"{name} {got} vs {want}"
+            for name, got, want in (
+                ("format", w.format, first.format),
+                ("K", w.shape[1], first.shape[1]),
+                ("group size", w.group_size, first.group_size),
+                ("scales dtype", w.scales.dtype, first.scales.dtype),
+                ("device", w.qweight.device, first.qweight.device),
+            )
+            if got != want
+        ]
+        if mismatch:
+            raise ValueError(f"concat_rows: weight {i} does not match weight 0: {', '.join(mismatch)}")
+    mins = None if first.mins is None else torch.cat([w.mins for w in weights])
+    return QuantizedTensor(
+        first.format,
+        (sum(w.shape[0] for w in weights), first.shape[1]),
+        first.group_size,
+        torch.cat([w.qweight for w in weights]),
+        torch.cat([w.scales for w in weights]),
+        mins,
+    )
