@@ -1,0 +1,196 @@
+"""SamplingParams: what a client may ask of one request's decoding, validated once at the edge.
+
+A frozen, plain-data message: the transport builds it with `from_dict` from client JSON/msgpack
+(unknown keys and wrong types are rejected with `InvalidParams`), the scheduler carries it in
+StepPlans, and `to_dict` turns it back into msgpack-encodable data. Nobody writes it after
+construction. `check_vocab` is separate because the vocabulary size is known only once a model
+is loaded.
+
+Semantics follow the OpenAI API where it has a parameter (presence/frequency penalty over
+generated tokens, logit_bias, logprobs, stop, n, seed) and Hugging Face otherwise
+(repetition_penalty over prompt and output tokens, top_k, min_p).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, NoReturn
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top alternatives
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
+# Bounds on what one client may make every decode step pay for (stop matching is per token).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (division would overflow anyway)
+
+
+class InvalidParams(ValueError):
+    """A client asked for sampling parameters we cannot honour; the message names field and value."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding parameters of one request. Defaults change nothing: plain sampling at T=1."""
+
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens with p >= min_p * p_max
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Given as a {token_id: bias} mapping; stored as sorted pairs so the message stays hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    n: int = 1
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and k alternatives
+    max_tokens: int = 256
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias)))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                _fail(name, getattr(self, name), "must be a finite number")
+        if self.temperature < 0:
+            _fail("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if self.top_k < -1:
+            _fail("top_k", self.top_k, "must be >= 1, or 0 or -1 to turn it off")
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                _fail(name, getattr(self, name), "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be > 0 (1 means off)")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                _fail("logit_bias", token_id, "has a negative token id")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                _fail("logit_bias", bias, f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            _fail("seed", self.seed, "must fit in 64 bits")
+        if self.n < 1:
+            _fail("n", self.n, "must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _fail("logprobs", self.logprobs, f"must be null or in [0, {MAX_LOGPROBS}]")
+        if self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail("stop", len(self.stop), f"has too many strings (at most {MAX_STOP_STRINGS})")
+        for text in self.stop:
+            if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_STRING_CHARS:
+                _fail("stop", text, f"strings must be non-empty, at most {MAX_STOP_STRING_CHARS} chars")
+        for token_id in self.stop_token_ids:
+            if token_id < 0:
+                _fail("stop_token_ids", token_id, "has a negative token id")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidParams if a token id names no token of a vocabulary of this size."""
+        for name, ids in (("logit_bias", [k for k, _ in self.logit_bias]),
+                          ("stop_token_ids", self.stop_token_ids)):
+            for token_id in ids:
+                if token_id >= vocab_size:
+                    _fail(name, token_id, f"is not a token id (vocabulary size {vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for msgpack/JSON; `from_dict(p.to_dict()) == p`."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        # String keys: JSON requires them and msgpack's default unpacker only accepts them.
+        data["logit_bias"] = {str(k): v for k, v in self.logit_bias}
+        data["stop"] = list(self.stop)
+        data["stop_token_ids"] = list(self.stop_token_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, vocab_size: int | None = None) -> SamplingParams:
+        """Build from client data; a null value means the default. Raises InvalidParams."""
+        if not isinstance(data, Mapping):
+            raise InvalidParams(f"sampling parameters must be an object, got {type(data).__name__}")
+        unknown = sorted(str(k) for k in data if k not in _KINDS)
+        if unknown:
+            raise InvalidParams(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        kwargs = {k: _coerce(k, v) for k, v in data.items() if v is not None}
+        params = cls(**kwargs)
+        if vocab_size is not None:
+            params.check_vocab(vocab_size)
+        return params
+
+
+def _fail(name: str, value: Any, problem: str) -> NoReturn:
+    raise InvalidParams(f"{name} {problem}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check one client value's JSON type; return it in the type the dataclass stores."""
+    kind = _KINDS[name]
+    if kind == "float":
+        if not (_is_int(value) or isinstance(value, float)):
+            _fail(name, value, "must be a number")
+        return float(value)
+    if kind == "int":
+        if not _is_int(value):
+            _fail(name, value, "must be an integer")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            _fail(name, value, "must be true or false")
+        return value
+    if kind == "stop":
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            _fail(name, value, "must be a string or a list of strings")
+        return tuple(items)
+    if kind == "ids":
+        if not isinstance(value, list) or not all(_is_int(t) for t in value):
+            _fail(name, value, "must be a list of integer token ids")
+        return tuple(value)
+    assert kind == "bias", kind
+    if not isinstance(value, Mapping):
+        _fail(name, value, "must be an object mapping token ids to numbers")
+    bias = {}
+    for key, bias_value in value.items():
+        if _is_int(key):
+            token_id = key
+        elif isinstance(key, str) and key.isdigit():
+            token_id = int(key)
+        else:
+            _fail(name, key, "keys must be token ids")
+        if not (_is_int(bias_value) or isinstance(bias_value, float)):
+            _fail(name, bias_value, "values must be numbers")
+        bias[token_id] = float(bias_value)
+    return bias
+
+
+_KINDS = MappingProxyType({
+    "temperature": "float", "top_k": "int", "top_p": "float", "min_p": "float",
+    "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
+    "logit_bias": "bias", "seed": "int", "n": "int", "logprobs": "int", "max_tokens": "int",
+    "min_tokens": "int", "stop": "stop", "stop_token_ids": "ids", "ignore_eos": "bool",
+})

@@ -1,0 +1,97 @@
+"""SamplingParams: validation messages, from_dict type checks, msgpack round trip."""
+
+import msgpack
+import pytest
+
+from edgeinfer.sampling_params import InvalidParams, SamplingParams
+
+
+def test_defaults_are_valid_and_not_greedy():
+    params = SamplingParams()
+    assert not params.is_greedy
+    assert SamplingParams(temperature=0).is_greedy
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"temperature": -0.5}, ["temperature", "-0.5"]),
+    ({"temperature": float("nan")}, ["temperature", "finite"]),
+    ({"top_k": -2}, ["top_k", "-2"]),
+    ({"top_p": 0.0}, ["top_p", "0.0"]),
+    ({"top_p": 1.5}, ["top_p", "1.5"]),
+    ({"min_p": -0.1}, ["min_p"]),
+    ({"presence_penalty": 2.5}, ["presence_penalty", "2.5"]),
+    ({"frequency_penalty": -3}, ["frequency_penalty", "-3"]),
+    ({"repetition_penalty": 0}, ["repetition_penalty"]),
+    ({"logit_bias": {5: 101}}, ["logit_bias", "101"]),
+    ({"logit_bias": {-1: 1}}, ["logit_bias", "-1"]),
+    ({"n": 0}, ["n", "0"]),
+    ({"logprobs": 21}, ["logprobs", "21"]),
+    ({"max_tokens": 0}, ["max_tokens", "0"]),
+    ({"min_tokens": 10, "max_tokens": 5}, ["min_tokens", "10", "max_tokens=5"]),
+    ({"stop": [""]}, ["stop"]),
+    ({"stop": ["x"] * 17}, ["stop", "too many"]),
+    ({"stop_token_ids": [-4]}, ["stop_token_ids", "-4"]),
+    ({"seed": 2**64}, ["seed"]),
+])
+def test_bad_values_name_field_and_value(kwargs, words):
+    with pytest.raises(InvalidParams) as info:
+        SamplingParams(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_invalid_params_is_a_value_error():
+    assert issubclass(InvalidParams, ValueError)
+
+
+def test_to_dict_round_trips_through_msgpack():
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+                            frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={7: -100, 3: 2.5},
+                            seed=1234, n=2, logprobs=5, max_tokens=64, min_tokens=3, stop=["\n\n", "END"],
+                            stop_token_ids=[9], ignore_eos=True)
+    wire = msgpack.unpackb(msgpack.packb(params.to_dict()))  # default strict_map_key: str keys
+    assert SamplingParams.from_dict(wire) == params
+    assert params.logit_bias == ((3, 2.5), (7, -100.0))
+    assert hash(params) == hash(SamplingParams.from_dict(wire))
+
+
+def test_from_dict_accepts_openai_style_values():
+    params = SamplingParams.from_dict({"temperature": 1, "stop": "###", "logit_bias": {"50": -1},
+                                       "seed": None, "top_p": None})
+    assert params.temperature == 1.0 and isinstance(params.temperature, float)
+    assert params.stop == ("###",)
+    assert params.logit_bias == ((50, -1.0),)
+    assert params.seed is None and params.top_p == 1.0  # null means the default
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"temprature": 0.5}, ["unknown", "temprature"]),
+    ({"temperature": "hot"}, ["temperature", "number"]),
+    ({"temperature": True}, ["temperature", "number"]),
+    ({"top_k": 2.5}, ["top_k", "integer"]),
+    ({"n": True}, ["n", "integer"]),
+    ({"ignore_eos": 1}, ["ignore_eos", "true or false"]),
+    ({"stop": ["a", 3]}, ["stop", "strings"]),
+    ({"stop_token_ids": "2"}, ["stop_token_ids", "list"]),
+    ({"logit_bias": [1, 2]}, ["logit_bias", "object"]),
+    ({"logit_bias": {"abc": 1}}, ["logit_bias", "token ids"]),
+    ({"logit_bias": {"1": "x"}}, ["logit_bias", "numbers"]),
+])
+def test_from_dict_rejects_wrong_keys_and_types(data, words):
+    with pytest.raises(InvalidParams) as info:
+        SamplingParams.from_dict(data)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_from_dict_rejects_non_objects():
+    with pytest.raises(InvalidParams, match="object"):
+        SamplingParams.from_dict([("temperature", 1.0)])
+
+
+def test_vocab_check():
+    SamplingParams.from_dict({"logit_bias": {"99": 1}, "stop_token_ids": [99]}, vocab_size=100)
+    with pytest.raises(InvalidParams, match="logit_bias.*100"):
+        SamplingParams.from_dict({"logit_bias": {"100": 1}}, vocab_size=100)
+    with pytest.raises(InvalidParams, match="stop_token_ids.*100"):
+        SamplingParams(stop_token_ids=[100]).check_vocab(100)
