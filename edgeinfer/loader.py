@@ -1,0 +1,55 @@
+"""Open any supported model: a GGUF file, an HF-style folder, or an edgeinfer checkpoint.
+
+The format is read from the file itself (GGUF magic, config.json's fields), never guessed from
+a name. Returns plain data: the architecture, the weights by HF name, and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgeinfer.config import ModelConfig
+from edgeinfer.tokenizer import Tokenizer
+from quant.formats import QuantizedTensor
+from quant.gguf_import import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor | QuantizedTensor]
+    tokenizer: Tokenizer
+    source: str  # "gguf" | "hf" | "edgeinfer"
+
+
+def load_model(path: str | Path) -> LoadedModel:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}) nor a model folder")
+        from quant.gguf_import import load_gguf
+
+        gguf = load_gguf(path)
+        return LoadedModel(gguf.config, gguf.weights, Tokenizer.from_gguf_metadata(gguf.tokenizer_metadata), "gguf")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelFileError(f"{path} is a folder without config.json: not a model")
+    if "edgeinfer_format" in json.loads(config_path.read_text()):
+        from quant.checkpoint import load_checkpoint
+
+        config, weights = load_checkpoint(path)
+        return LoadedModel(config, weights, Tokenizer.from_folder(path), "edgeinfer")
+    from quant.hf_import import load_hf_folder
+
+    config, weights = load_hf_folder(path)
+    return LoadedModel(config, weights, Tokenizer.from_folder(path), "hf")

@@ -1,0 +1,79 @@
+"""Turns a step's plain-data description into the tensors the model reads, runs it, samples.
+
+Owned by the model actor (or a direct caller such as tests): it holds the LlamaModel and the
+KV pool and is the only code that touches either. Each step is a list of SeqChunk: a sequence's
+new token ids, the position of the first one, and its block table (decided by the block
+manager, never here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgeinfer.models.llama import BatchMeta, LlamaModel
+from kernels.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    token_ids: tuple[int, ...]  # new tokens this step
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
+    block_table: tuple[int, ...]  # physical block ids covering positions 0 .. start_pos + len - 1
+    num_logits: int = 1  # logits wanted for the last num_logits new tokens (k + 1 when verifying drafts)
+
+
+def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, BatchMeta]:
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    context_lens: list[int] = []
+    logits_indices: list[int] = []
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        if n == 0:
+            raise ValueError("a SeqChunk must carry at least one new token")
+        end = chunk.start_pos + n
+        if len(chunk.block_table) * block_size < end:
+            raise ValueError(
+                f"block table of {len(chunk.block_table)} blocks cannot hold {end} tokens "
+                f"(block_size {block_size})"
+            )
+        token_ids.extend(chunk.token_ids)
+        for pos in range(chunk.start_pos, end):
+            positions.append(pos)
+            slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
+        base = starts[-1]
+        starts.append(base + n)
+        context_lens.append(end)
+        logits_indices.extend(range(base + n - chunk.num_logits, base + n))
+    max_blocks = max(len(c.block_table) for c in chunks)
+    tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
+    for row, chunk in enumerate(chunks):
+        tables[row, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+    meta = BatchMeta(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        is_decode=all(len(c.token_ids) == 1 for c in chunks),
+    )
+    return torch.tensor(token_ids, dtype=torch.int64, device=device), meta
+
+
+class ModelRunner:
+    """The model and its KV pool; runs steps."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool, block_size: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.block_size = block_size
+
+    def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """fp32 logits (sum of num_logits, vocab) in chunk order."""
+        token_ids, meta = build_batch(chunks, self.block_size, self.model.device)
+        return self.model.forward(token_ids, meta, self.pool)
