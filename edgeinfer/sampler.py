@@ -1,0 +1,233 @@
+"""Batched token sampling over (B, V) logits in one vectorised pass.
+
+The model actor owns the sampler. Each step it builds a `SamplingBatch` (per-row parameters as
+tensors) from plain data in the StepPlan, then calls `sample(logits, batch)`. Nothing here keeps
+state between steps, and nothing loops over rows on the tensors' path.
+
+Order of operations, per row:
+  1. repetition penalty (HF) over tokens seen in prompt or output: x/r if x > 0 else x*r;
+  2. presence and frequency penalties (OpenAI) over output token counts: x - c*f - (c > 0)*p;
+  3. logit_bias added;
+  4. min_tokens: EOS and stop_token_ids set to -inf while the output is shorter than min_tokens;
+     logprobs are reported from log_softmax of these logits: after penalties and bias (they
+     are what the request asked the model to be), before temperature and truncation (so
+     alternatives outside top-k/top-p keep a finite logprob, as OpenAI reports them);
+  5. temperature (greedy rows, SamplingParams.is_greedy, take the argmax of step 4 instead);
+  6. top-k; 7. top-p over the top-k renormalised distribution; 8. min-p relative to the
+     largest probability (which every truncation keeps);
+  9. one uniform u per row picks the token by inverse CDF: the first token whose cumulative
+     probability exceeds u times the total.
+
+Seeds: a seeded row's u is a pure function of (seed, choice index, step) where step is the
+number of tokens already generated, so the same seed gives the same tokens whatever the batch
+neighbours are, and again after a preemption recomputes the sequence. Unseeded rows draw u from
+a torch generator.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from edgeinfer.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, *counters: int) -> float:
+    """A uniform in (0, 1) that depends only on seed and counters (e.g. choice, step, stream)."""
+    h = _splitmix64(seed & _MASK64)
+    for counter in counters:
+        h = _splitmix64(h ^ (counter & _MASK64))
+    return ((h >> 11) + 0.5) / 2**53  # 53 bits: every float64 step, never 0 or 1
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters for one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # (B,) float32; 1 on greedy rows, so division is harmless
+    greedy: torch.Tensor  # (B,) bool
+    top_k: torch.Tensor  # (B,) int64; V where off
+    top_p: torch.Tensor  # (B,) float32
+    log_min_p: torch.Tensor  # (B,) float32; -inf where off
+    uniforms: torch.Tensor  # (B,) float64 in (0, 1)
+    # Penalties: None when no row uses them, so the common case costs nothing.
+    repetition_penalty: torch.Tensor | None  # (B,) float32
+    presence_penalty: torch.Tensor | None  # (B,) float32
+    frequency_penalty: torch.Tensor | None  # (B,) float32
+    seen_in_prompt: torch.Tensor | None  # (B, V) bool
+    output_counts: torch.Tensor | None  # (B, V) float32, counts of each generated token
+    # Sparse (row, token) lists: logit_bias entries, and tokens forbidden by min_tokens.
+    bias_rows: torch.Tensor  # (N,) int64
+    bias_ids: torch.Tensor  # (N,) int64
+    bias_values: torch.Tensor  # (N,) float32
+    suppress_rows: torch.Tensor  # (M,) int64
+    suppress_ids: torch.Tensor  # (M,) int64
+    needs_sort: bool  # some row has top-k or top-p on
+    num_logprobs: tuple[int | None, ...]  # per row, as SamplingParams.logprobs
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        choice_indices: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+        generator: torch.Generator | None = None,
+    ) -> SamplingBatch:
+        """Build a batch. Row i samples the next token of a sequence with prompt_ids[i] and
+        output_ids[i] generated so far; choice_indices[i] separates the n choices of one seeded
+        request (default 0); generator feeds unseeded rows."""
+        num_rows = len(params)
+        assert len(prompt_ids) == len(output_ids) == num_rows
+        choices = choice_indices if choice_indices is not None else [0] * num_rows
+        floats = lambda values: torch.tensor(values, dtype=torch.float32)
+
+        uniforms = torch.rand(num_rows, dtype=torch.float64, generator=generator)
+        seeded = [(i, seeded_uniform(p.seed, choices[i], len(output_ids[i])))
+                  for i, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            rows, values = zip(*seeded, strict=True)
+            uniforms[list(rows)] = torch.tensor(values, dtype=torch.float64)
+
+        penalised = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+                        for p in params)
+        seen_in_prompt = output_counts = None
+        if penalised:
+            seen_in_prompt = _token_counts(prompt_ids, vocab_size) > 0
+            output_counts = _token_counts(output_ids, vocab_size)
+
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        suppress = [(i, t) for i, p in enumerate(params) if len(output_ids[i]) < p.min_tokens
+                    for t in (*eos_token_ids, *p.stop_token_ids)]
+        bias_rows, bias_ids, bias_values = zip(*bias, strict=True) if bias else ((), (), ())
+        suppress_rows, suppress_ids = zip(*suppress, strict=True) if suppress else ((), ())
+
+        batch = cls(
+            temperature=floats([1.0 if p.is_greedy else p.temperature for p in params]),
+            greedy=torch.tensor([p.is_greedy for p in params], dtype=torch.bool),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]),
+            top_p=floats([p.top_p for p in params]),
+            log_min_p=floats([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]),
+            uniforms=uniforms,
+            repetition_penalty=floats([p.repetition_penalty for p in params]) if penalised else None,
+            presence_penalty=floats([p.presence_penalty for p in params]) if penalised else None,
+            frequency_penalty=floats([p.frequency_penalty for p in params]) if penalised else None,
+            seen_in_prompt=seen_in_prompt,
+            output_counts=output_counts,
+            bias_rows=torch.tensor(bias_rows, dtype=torch.int64),
+            bias_ids=torch.tensor(bias_ids, dtype=torch.int64),
+            bias_values=floats(bias_values),
+            suppress_rows=torch.tensor(suppress_rows, dtype=torch.int64),
+            suppress_ids=torch.tensor(suppress_ids, dtype=torch.int64),
+            needs_sort=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params),
+            num_logprobs=tuple(p.logprobs for p in params),
+        )
+        return batch.to(device)
+
+    def to(self, device: torch.device | str) -> SamplingBatch:
+        moved = {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                 for name, value in self.__dict__.items()}
+        return SamplingBatch(**moved)
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """What one step sampled. Rows that asked for fewer alternatives read the first ones."""
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: torch.Tensor | None  # (B,) float32, the chosen tokens'; None if no row asked
+    top_ids: torch.Tensor | None  # (B, N) int64, N = the most alternatives any row asked for
+    top_logprobs: torch.Tensor | None  # (B, N) float32, descending
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """(B, V) float32 counts of each token id in each row's list."""
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)),
+                                   torch.tensor([len(t) for t in token_lists], dtype=torch.int64))
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    counts.index_put_((rows, ids), torch.ones(len(ids)), accumulate=True)
+    return counts
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Steps 1-4: penalties, logit_bias, min_tokens masking. Returns a new (B, V) float32."""
+    logits = logits.to(torch.float32, copy=True)
+    if batch.output_counts is not None:
+        counts = batch.output_counts
+        seen = batch.seen_in_prompt | (counts > 0)
+        penalty = batch.repetition_penalty[:, None]
+        repeated = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, repeated, logits)
+        logits -= counts * batch.frequency_penalty[:, None]
+        logits -= (counts > 0) * batch.presence_penalty[:, None]
+    logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
+    logits[batch.suppress_rows, batch.suppress_ids] = -math.inf
+    return logits
+
+
+def _truncated_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Steps 5-8 on processed logits: temperature-scaled, truncated tokens at -inf. (B, V)."""
+    scaled = logits / batch.temperature[:, None]
+    keep = scaled >= scaled.amax(dim=-1, keepdim=True) + batch.log_min_p[:, None]
+    if batch.needs_sort:
+        # Stable sort: ties at the top-k boundary resolve by token id, the same on every run.
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)
+        keep_sorted = rank[None, :] < batch.top_k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, -math.inf), dim=-1)
+        # Keep the shortest prefix whose mass reaches top_p: tokens with less than top_p before
+        # them. top_p == 1 keeps everything, which rounding in the cumsum would not guarantee.
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep_sorted &= (mass_before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1)
+        keep &= torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return scaled.masked_fill(~keep, -math.inf)
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The (B, V) distribution `sample` draws from: one-hot argmax on greedy rows.
+    Speculative verification uses it as the target distribution."""
+    processed = processed_logits(logits, batch)
+    probs = torch.softmax(_truncated_logits(processed, batch), dim=-1)
+    greedy = torch.nn.functional.one_hot(processed.argmax(dim=-1), probs.shape[-1]).to(probs.dtype)
+    return torch.where(batch.greedy[:, None], greedy, probs)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: (B, V) non-negative weights, (B,) uniforms -> (B,) int64 token ids.
+    Zero-weight tokens are never chosen: the CDF is flat over them."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # float64: V-long sums stay exact enough
+    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    token_ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return token_ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+    """Sample one token per row of (B, V) logits; see the module docstring for the order."""
+    processed = processed_logits(logits, batch)
+    probs = torch.softmax(_truncated_logits(processed, batch), dim=-1)
+    token_ids = torch.where(batch.greedy, processed.argmax(dim=-1),
+                            sample_from_probs(probs, batch.uniforms))
+    asked = [k for k in batch.num_logprobs if k is not None]
+    if not asked:
+        return SampleOutput(token_ids, None, None, None)
+    logprobs = torch.log_softmax(processed, dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    top_logprobs, top_ids = logprobs.topk(max(asked), dim=-1)
+    return SampleOutput(token_ids, chosen, top_ids, top_logprobs)

@@ -1,0 +1,178 @@
+"""Sampler: sampled frequencies match the truncated distribution (chi-square), penalty
+arithmetic, seeds independent of batch neighbours, greedy, min_tokens, logprobs."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
+from edgeinfer.sampling_params import SamplingParams
+
+VOCAB = 12
+NUM_SAMPLES = 40_000
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of counts against probs; also asserts nothing fell outside the support."""
+    counts, probs = counts.double(), probs.double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "sampled a token the truncation removed"
+    expected = probs[support] * counts.sum()
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    df = torch.tensor(float(support.sum() - 1))
+    return torch.special.gammaincc(df / 2, stat / 2).item()  # chi2 survival function
+
+
+def reference_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """The textbook definition, one token at a time: temperature, top-k, top-p, min-p."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    order = sorted(range(len(probs)), key=lambda t: -probs[t].item())
+    kept = order[:top_k] if top_k > 0 else order
+    mass = sum(probs[t].item() for t in kept)
+    if top_p < 1:
+        prefix, total = [], 0.0
+        for t in kept:
+            prefix.append(t)
+            total += probs[t].item() / mass
+            if total >= top_p:
+                break
+        kept = prefix
+    kept = [t for t in kept if probs[t] >= min_p * probs[order[0]]]
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+def sample_many(logits: torch.Tensor, params: SamplingParams, seeded: bool = False) -> torch.Tensor:
+    """Token counts from NUM_SAMPLES rows of the same logits, sampled in one batch."""
+    if seeded:
+        rows = [dataclasses.replace(params, seed=i) for i in range(NUM_SAMPLES)]
+    else:
+        rows = [params] * NUM_SAMPLES
+    batch = SamplingBatch.from_params(rows, [[]] * NUM_SAMPLES, [[]] * NUM_SAMPLES, VOCAB,
+                                      generator=torch.Generator().manual_seed(0))
+    tokens = sample(logits.expand(NUM_SAMPLES, -1), batch).token_ids
+    return torch.bincount(tokens, minlength=VOCAB)
+
+
+LOGITS = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 1.5
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"temperature": 0.6},
+    {"temperature": 1.7},
+    {"top_k": 4},
+    {"top_p": 0.7},
+    {"top_p": 0.95, "temperature": 0.8},
+    {"min_p": 0.1},
+    {"top_k": 6, "top_p": 0.8, "min_p": 0.05, "temperature": 1.3},
+])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_frequencies_match_truncated_distribution(kwargs, seeded):
+    expected = reference_probs(LOGITS, **kwargs)
+    counts = sample_many(LOGITS, SamplingParams(**kwargs), seeded=seeded)
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_truncation_removes_what_it_should():
+    probs = sampling_probs(LOGITS.expand(1, -1), SamplingBatch.from_params(
+        [SamplingParams(top_k=3)], [[]], [[]], VOCAB))
+    assert int((probs > 0).sum()) == 3
+    assert torch.allclose(probs[0].double(), reference_probs(LOGITS, top_k=3), atol=1e-6)
+
+
+def test_penalties_match_direct_formula():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, VOCAB, generator=gen) * 3
+    prompts = [[1, 2, 2], [], [5]]
+    outputs = [[2, 3, 3, 3], [4, 4, 7], []]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.0, logit_bias={0: 5.0, 4: -2.0}),
+              SamplingParams(repetition_penalty=2.0)]
+    batch = SamplingBatch.from_params(params, prompts, outputs, VOCAB)
+    got = processed_logits(logits, batch)
+    for row, p in enumerate(params):
+        for token in range(VOCAB):
+            x = logits[row, token].item()
+            count = outputs[row].count(token)
+            if token in prompts[row] or count:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            x -= count * p.frequency_penalty + (count > 0) * p.presence_penalty
+            x += dict(p.logit_bias).get(token, 0.0)
+            assert got[row, token].item() == pytest.approx(x, rel=1e-5, abs=1e-5)
+
+
+def test_penalties_change_nothing_when_off():
+    logits = torch.randn(2, VOCAB)
+    batch = SamplingBatch.from_params([SamplingParams()] * 2, [[1, 2], [3]], [[4], [5, 5]], VOCAB)
+    assert batch.output_counts is None
+    assert torch.equal(processed_logits(logits, batch), logits)
+
+
+def test_seed_gives_same_tokens_whatever_the_neighbours():
+    gen = torch.Generator().manual_seed(3)
+    target = SamplingParams(temperature=0.9, top_p=0.9, seed=42)
+    for step in range(20):
+        row = torch.randn(VOCAB, generator=gen)
+        output_ids = [0] * step
+        alone = sample(row[None], SamplingBatch.from_params([target], [[1]], [output_ids], VOCAB))
+        neighbours = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(seed=7, top_k=2)]
+        logits = torch.stack([torch.randn(VOCAB, generator=gen), row, torch.randn(VOCAB, generator=gen),
+                              torch.randn(VOCAB, generator=gen)])
+        batch = SamplingBatch.from_params([neighbours[0], target, *neighbours[1:]], [[1]] * 4,
+                                          [[0], output_ids, [], [3, 3]], VOCAB)
+        assert sample(logits, batch).token_ids[1] == alone.token_ids[0]
+
+
+def test_seeded_uniform_separates_seeds_choices_and_steps():
+    values = {seeded_uniform(seed, choice, step) for seed in range(5) for choice in range(3)
+              for step in range(5)}
+    assert len(values) == 75 and all(0 < u < 1 for u in values)
+    assert seeded_uniform(9, 1, 2) == seeded_uniform(9, 1, 2)
+
+
+def test_greedy_rows_take_argmax_of_processed_logits():
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
+    params = SamplingParams(temperature=0, frequency_penalty=1.0, top_k=1)
+    batch = SamplingBatch.from_params([params], [[]], [[1]], 4)
+    assert sample(logits, batch).token_ids.tolist() == [2]  # token 1's count pushed it to 2.0
+    assert sampling_probs(logits, batch).tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 0.0, 50.0, 50.0]])  # 2 is EOS, 3 a stop token id
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
+    for num_out, allowed in [(0, False), (1, False), (2, True)]:
+        batch = SamplingBatch.from_params([params], [[]], [[0] * num_out], 4, eos_token_ids=[2])
+        token = sample(logits, batch).token_ids.item()
+        assert (token in (2, 3)) == allowed
+
+
+def test_logit_bias_can_force_a_token():
+    batch = SamplingBatch.from_params([SamplingParams(logit_bias={5: 100})] * 100, [[]] * 100,
+                                      [[]] * 100, VOCAB)
+    assert (sample(torch.randn(100, VOCAB), batch).token_ids == 5).all()
+
+
+def test_logprobs_are_post_penalty_pre_temperature():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(logprobs=3, temperature=0.5, top_k=2, presence_penalty=1.0),
+              SamplingParams(),
+              SamplingParams(logprobs=0, temperature=0)]
+    batch = SamplingBatch.from_params(params, [[]] * 3, [[1, 2], [], []], VOCAB)
+    out = sample(logits, batch)
+    reference = torch.log_softmax(processed_logits(logits, batch), dim=-1)
+    assert torch.allclose(out.logprobs, reference.gather(-1, out.token_ids[:, None]).squeeze(-1))
+    assert out.top_ids.shape == (3, 3)
+    assert torch.allclose(out.top_logprobs, reference.topk(3).values)
+    assert torch.all(out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:])
+    assert math.isfinite(out.top_logprobs[0, 2].item())  # outside top-k, still reported
+
+
+def test_no_logprobs_when_none_asked():
+    batch = SamplingBatch.from_params([SamplingParams()], [[]], [[]], VOCAB)
+    out = sample(torch.randn(1, VOCAB), batch)
+    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
