@@ -73,13 +73,16 @@ def _cache_write_kernel(
         row = slot * num_kv_heads + h
         offs = tl.arange(0, HALF)
         src = x_ptr + t * stride_xt + h * stride_xh + 2 * offs
-        x_even = tl.load(src).to(tl.float32)  # (HALF,) channels 0, 2, 4, ...
-        x_odd = tl.load(src + 1).to(tl.float32)  # (HALF,) channels 1, 3, 5, ...
+        x_even = tl.load(src)  # (HALF,) channels 0, 2, 4, ...
+        x_odd = tl.load(src + 1)  # (HALF,) channels 1, 3, 5, ...
         if FMT == 0:
             dst = data_ptr + row * HEAD_DIM + 2 * offs
             tl.store(dst, x_even.to(data_ptr.dtype.element_ty))
             tl.store(dst + 1, x_odd.to(data_ptr.dtype.element_ty))
-        elif FMT == 1:
+        else:
+            x_even = x_even.to(tl.float32)
+            x_odd = x_odd.to(tl.float32)
+        if FMT == 1:
             amax = tl.maximum(tl.max(tl.abs(x_even), 0), tl.max(tl.abs(x_odd), 0))
             scale = tl.maximum(amax / 127.0, 1e-6).to(tl.float16)
             tl.store(scale_ptr + row, scale)
@@ -89,7 +92,7 @@ def _cache_write_kernel(
             dst = data_ptr + row * HEAD_DIM + 2 * offs
             tl.store(dst, q_even.to(tl.int8))
             tl.store(dst + 1, q_odd.to(tl.int8))
-        else:
+        if FMT == 2:
             NUM_GROUPS: tl.constexpr = HEAD_DIM // 32
             g_even = tl.reshape(x_even, (NUM_GROUPS, 16))  # even half-channel j is in group j // 16
             g_odd = tl.reshape(x_odd, (NUM_GROUPS, 16))
