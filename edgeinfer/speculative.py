@@ -57,8 +57,13 @@ def verify_greedy(draft_ids: torch.Tensor, num_drafts: torch.Tensor,
     return target_ids, num_accepted + 1
 
 
-def verify_sampled(draft_ids: torch.Tensor, num_drafts: torch.Tensor, target_probs: torch.Tensor,
-                   draft_probs: torch.Tensor | None, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampled(
+    draft_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection-sampling verification. draft_ids (B, K) int64, num_drafts (B,), target_probs
     (B, K+1, V), draft_probs (B, K, V) or None for one-hot drafts, uniforms (B, K+1) in (0, 1)
     (K for the accept tests, one for the final token). Returns (token_ids (B, K+1),
@@ -129,5 +134,9 @@ class AdaptiveK:
             return self  # the drafter found nothing: no evidence about acceptance
         rate = num_accepted / num_drafted
         acceptance = (1 - self.smoothing) * self.acceptance + self.smoothing * rate
-        k = self.k + 1 if acceptance >= self.grow_above else self.k - 1 if acceptance < self.shrink_below else self.k
+        k = self.k
+        if acceptance >= self.grow_above:
+            k += 1
+        elif acceptance < self.shrink_below:
+            k -= 1
         return replace(self, k=min(max(k, self.k_min), self.k_max), acceptance=acceptance)
