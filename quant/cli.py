@@ -1,0 +1,121 @@
+"""Command lines of the quant tools: ``edgeinfer quantize`` and ``edgeinfer eval-ppl``.
+
+Each ``*_main(argv)`` parses its arguments, runs, prints, and returns an exit code; user errors
+(bad arguments, unreadable or unsupported models, an unwritable DST) print one line on stderr
+and return 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from edgeinfer.config import KV_DTYPES, LINEAR_PATHS
+from quant.formats import GROUP_SIZES
+from quant.gguf_import import ModelFileError
+
+DEFAULT_TEXT = "../shared/data/tinyshakespeare.txt"
+
+
+def _quantize_parser() -> argparse.ArgumentParser:
+    from quant.convert import CALIBRATION_METHODS, WEIGHT_FORMATS
+
+    p = argparse.ArgumentParser(
+        prog="edgeinfer quantize", description="Convert a model into an edgeinfer checkpoint."
+    )
+    p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected)")
+    p.add_argument("dst", help="checkpoint folder to write (atomically)")
+    p.add_argument("--weights", required=True, choices=WEIGHT_FORMATS, help="format of the linear layers")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        help="group size (default: int4 32, nf4 64, int8 one scale per row)",
+    )
+    p.add_argument("--calibrate", choices=CALIBRATION_METHODS, help="error-minimising rounding (gptq)")
+    p.add_argument("--calib-data", help="text file to calibrate on")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
+    p.add_argument("--calib-seqlen", type=int, default=512, help="calibration sequence length (default 512)")
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep weights whose name matches this fnmatch pattern in the source format (repeatable)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint at DST")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="print each weight's format and relative error"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def quantize_main(argv: list[str]) -> int:
+    from quant.convert import ConvertOptions, convert
+
+    args = _quantize_parser().parse_args(argv)
+    try:
+        opts = ConvertOptions(
+            weights=args.weights,
+            group_size=args.group_size,
+            calibrate=args.calibrate,
+            calib_data=args.calib_data,
+            calib_tokens=args.calib_tokens,
+            calib_seqlen=args.calib_seqlen,
+            skip=tuple(args.skip),
+            force=args.force,
+            verbose=args.verbose,
+        )
+        kwargs = {"progress": None} if args.quiet else {}
+        report = convert(args.src, args.dst, opts, **kwargs)
+    except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors
+        print(f"edgeinfer quantize: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {report.dst} ({len(report.errors)} weights, {report.seconds:.1f} s)")
+    return 0
+
+
+def _ppl_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="edgeinfer eval-ppl", description="Perplexity over a fixed slice of a text."
+    )
+    p.add_argument("model", help="GGUF file, HF folder or edgeinfer checkpoint")
+    p.add_argument("--text", default=DEFAULT_TEXT, help=f"text file (default {DEFAULT_TEXT})")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of the text to score (default 4096)")
+    p.add_argument("--window", type=int, default=512, help="window length (default 512)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32")
+    p.add_argument("--linear-path", choices=LINEAR_PATHS, default="reference")
+    return p
+
+
+def eval_ppl_main(argv: list[str]) -> int:
+    from edgeinfer.loader import load_model
+    from edgeinfer.models.llama import LlamaModel
+    from quant.perplexity import perplexity, text_tokens
+
+    args = _ppl_parser().parse_args(argv)
+    try:
+        start = time.perf_counter()
+        loaded = load_model(args.model)
+        model = LlamaModel(loaded.config, loaded.weights, linear_path=args.linear_path)
+        token_ids = text_tokens(loaded.tokenizer, args.text, args.tokens)
+        result = perplexity(model, token_ids, window=args.window, kv_dtype=args.kv_dtype)
+    except (ValueError, OSError, ModelFileError) as exc:
+        print(f"edgeinfer eval-ppl: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"perplexity {result.perplexity:.4f} (nll {result.nll:.5f}, {result.num_scored} tokens in "
+        f"{result.num_windows} windows of {args.window}, kv {args.kv_dtype}, "
+        f"{time.perf_counter() - start:.1f} s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    commands = {"quantize": quantize_main, "eval-ppl": eval_ppl_main}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(f"usage: python -m quant.cli {{{','.join(commands)}}} ...", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(commands[sys.argv[1]](sys.argv[2:]))

@@ -1,0 +1,387 @@
+"""The conversion tool: a GGUF file or HF-style folder in, an edgeinfer checkpoint out, streamed.
+
+Which format each weight gets (``target_format``):
+
+- names matching a ``--skip`` pattern (fnmatch) are copied in the source's own format;
+- 1-D weights (norms) are fp32;
+- the token embedding and lm_head (which *is* the embedding when tied, a quarter of the default
+  model's bytes and the most sensitive matrix) are int8 group 32 for the int8/int4/nf4 targets
+  and fp16/bf16 for those targets;
+- every other 2-D weight (the attention and MLP projections) gets ``--weights`` and its group
+  size (int4: 32, nf4: 64, int8: one scale per output row, unless ``--group-size``).
+
+A weight already in its target format (GGUF Q4_0/Q4_1 -> int4 g32, Q8_0 -> int8 g32) is copied
+bit for bit; anything else is dequantized to fp32 and quantized again, round-to-nearest, or with
+GPTQ (quant.calibrate) when ``--calibrate gptq``. The source is read one tensor at a time (GGUF
+memory-mapped, safetensors through safe_open) and handed to quant.checkpoint's streaming
+writer, so peak memory is about one layer (calibration: one layer plus its activations).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edgeinfer.config import ModelConfig
+from edgeinfer.tokenizer import Tokenizer
+from quant.checkpoint import check_destination, save_checkpoint
+from quant.formats import GROUP_SIZES, QuantizedTensor, quantize_int4, quantize_int8
+from quant.gguf_import import ModelFileError, check_weights
+from quant.nf4 import quantize_nf4
+
+Weight = torch.Tensor | QuantizedTensor
+WEIGHT_FORMATS = ("int8", "int4", "nf4", "fp16", "bf16")
+CALIBRATION_METHODS = ("gptq", "awq")
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+DEFAULT_GROUP = {"int4": 32, "nf4": 64, "int8": None}
+_PLAIN = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    weights: str
+    group_size: int | None = None  # None: the format's default (DEFAULT_GROUP)
+    calibrate: str | None = None
+    calib_data: str | None = None
+    calib_tokens: int = 4096
+    calib_seqlen: int = 512
+    skip: tuple[str, ...] = ()
+    force: bool = False
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"--weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise ValueError(f"--group-size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.group_size is not None and self.weights in ("fp16", "bf16"):
+            raise ValueError(f"--group-size does not apply to --weights {self.weights}")
+        if self.calibrate is not None:
+            if self.calibrate not in CALIBRATION_METHODS:
+                raise ValueError(f"--calibrate must be one of {CALIBRATION_METHODS}, got {self.calibrate!r}")
+            if self.calibrate == "awq":
+                raise ValueError("--calibrate awq is not implemented; use --calibrate gptq")
+            if self.weights not in ("int4", "int8"):
+                raise ValueError(f"--calibrate gptq quantizes to int4 or int8, not {self.weights}")
+            if not self.calib_data:
+                raise ValueError("--calibrate needs --calib-data FILE (a text file to calibrate on)")
+        if self.calib_tokens < self.calib_seqlen or self.calib_seqlen < 16:
+            raise ValueError(
+                f"need calib_tokens ({self.calib_tokens}) >= calib_seqlen ({self.calib_seqlen}) >= 16"
+            )
+        object.__setattr__(self, "skip", tuple(self.skip))
+
+    @property
+    def linear_group_size(self) -> int | None:
+        return self.group_size if self.group_size is not None else DEFAULT_GROUP.get(self.weights)
+
+
+@dataclass
+class Source:
+    """A model to convert, read one tensor at a time."""
+
+    kind: str  # "gguf" | "hf" | "bnb4"
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    names: list[str]
+    load: Callable[[str], Weight]
+
+
+@dataclass
+class ConvertReport:
+    dst: Path
+    errors: dict[str, float] = field(default_factory=dict)  # relative Frobenius error per weight
+    formats: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def open_source(path: str | Path) -> Source:
+    """Open SRC (GGUF file or HF folder) without reading its tensors."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"source model not found: {path}")
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}) nor a model folder")
+        source = _open_gguf(path)
+    else:
+        source = _open_hf(path)
+    check_weights(dict.fromkeys(source.names), source.config, str(path))
+    return source
+
+
+def _open_gguf(path: Path) -> Source:
+    from gguf import GGUFReader
+
+    from quant.gguf_import import (
+        convert_tensor,
+        hf_name,
+        read_config,
+        read_tokenizer_metadata,
+        unpermute_rope_rows,
+    )
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError) as exc:
+        raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    config = read_config(reader)
+    tensors = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name) is not None}
+
+    def load(name: str) -> Weight:
+        tensor = tensors[name]
+        try:
+            weight = convert_tensor(tensor)
+        except NotImplementedError as exc:
+            raise ModelFileError(
+                f"{path}: tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, "
+                f"which cannot be read: {exc}"
+            ) from exc
+        except ValueError as exc:
+            raise ModelFileError(f"{path}: tensor {tensor.name} is damaged (truncated?): {exc}") from exc
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_kv_heads)
+        return weight
+
+    tokenizer = Tokenizer.from_gguf_metadata(read_tokenizer_metadata(reader))
+    return Source("gguf", path, config, tokenizer, list(tensors), load)
+
+
+_BNB_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state")
+
+
+def _open_hf(folder: Path) -> Source:
+    from safetensors import SafetensorError, safe_open
+
+    from quant.hf_import import read_hf_config
+
+    config = read_hf_config(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    qcfg = raw.get("quantization_config") or {}
+    kind = "hf"
+    if qcfg:
+        if qcfg.get("quant_method") != "bitsandbytes" or not qcfg.get("load_in_4bit"):
+            raise ModelFileError(
+                f"{folder}: quantization_config {qcfg.get('quant_method')!r} "
+                f"(load_in_4bit={qcfg.get('load_in_4bit')}) is not supported; "
+                "edgeinfer converts plain and bitsandbytes 4-bit checkpoints"
+            )
+        kind = "bnb4"
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{folder} has no .safetensors weights (pickle checkpoints are never loaded)")
+    handles: dict[str, Any] = {}
+    try:
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            handles.update(dict.fromkeys(handle.keys(), handle))
+    except (SafetensorError, OSError) as exc:
+        raise ModelFileError(f"{folder}: {exc} (truncated or corrupt safetensors?)") from exc
+    is_part = lambda key: any(f".weight.{p}" in key for p in _BNB_PARTS)  # noqa: E731
+    names = [key for key in handles if not is_part(key)]
+
+    def get(key: str) -> torch.Tensor:
+        try:
+            return handles[key].get_tensor(key)
+        except SafetensorError as exc:
+            raise ModelFileError(f"{folder}: tensor {key} cannot be read (truncated?): {exc}") from exc
+
+    def load(name: str) -> Weight:
+        if f"{name}.absmax" in handles:
+            return _dequantize_bnb4(
+                folder,
+                name,
+                {k[len(name) + 1 :]: get(k) for k in handles if k.startswith(f"{name}.")},
+                get(name),
+            )
+        t = get(name)
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ModelFileError(f"{folder}: tensor {name} has unsupported dtype {t.dtype}")
+        return t
+
+    return Source(kind, folder, config, Tokenizer.from_folder(folder), names, load)
+
+
+def _dequantize_bnb4(
+    folder: Path, name: str, parts: dict[str, torch.Tensor], packed: torch.Tensor
+) -> torch.Tensor:
+    from quant.nf4 import bitsandbytes_available
+
+    if not bitsandbytes_available():
+        raise ModelFileError(
+            f"{folder} is a bitsandbytes 4-bit checkpoint; install bitsandbytes "
+            "(pip install 'edgeinfer[nf4]') to convert it"
+        )
+    import bitsandbytes.functional as bnbf
+
+    state = bnbf.QuantState.from_dict(parts, device=torch.device("cpu"))
+    return bnbf.dequantize_4bit(packed, state).float()
+
+
+def target_format(name: str, ndim: int, opts: ConvertOptions) -> tuple[str, int | None]:
+    """(format, group size) for one weight; "keep" copies the source format. See module docstring."""
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in opts.skip):
+        return "keep", None
+    if ndim != 2:
+        return "fp32", None
+    if name in (EMBED, LM_HEAD):
+        return (opts.weights, None) if opts.weights in _PLAIN else ("int8", 32)
+    return opts.weights, opts.linear_group_size
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    return weight.dequantize(torch.float32) if isinstance(weight, QuantizedTensor) else weight.float()
+
+
+def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
+    """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged."""
+    if fmt == "keep":
+        return weight
+    if fmt in _PLAIN:
+        if not isinstance(weight, QuantizedTensor) and weight.dtype == _PLAIN[fmt]:
+            return weight
+        return dense(weight).to(_PLAIN[fmt])
+    k = weight.shape[1]
+    group = group_size or k
+    if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group:
+        return weight
+    if k % group:
+        raise ModelFileError(f"group size {group} does not divide K={k}; choose another --group-size")
+    w = dense(weight)
+    if fmt == "int4":
+        return quantize_int4(w, group)
+    if fmt == "int8":
+        return quantize_int8(w, group)
+    return quantize_nf4(w, group)
+
+
+def relative_error(new: Weight, old: Weight) -> float:
+    """||new - old||_F / ||old||_F, both dequantized to fp32."""
+    ref = dense(old)
+    norm = ref.norm().item()
+    return (dense(new) - ref).norm().item() / norm if norm else 0.0
+
+
+def _ordered(names: list[str]) -> list[list[str]]:
+    """Names grouped: [embedding], layer 0, layer 1, ..., [everything else] (calibration order)."""
+    layers: dict[int, list[str]] = {}
+    rest = []
+    for name in names:
+        m = _LAYER.match(name)
+        if m:
+            layers.setdefault(int(m.group(1)), []).append(name)
+        elif name != EMBED:
+            rest.append(name)
+    return [[EMBED]] + [layers[i] for i in sorted(layers)] + [rest]
+
+
+def _progress_bar(done: int, total: int, name: str) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:60]:<60}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    opts: ConvertOptions,
+    progress: Callable[[int, int, str], None] | None = _progress_bar,
+    log: Callable[[str], None] | None = None,
+) -> ConvertReport:
+    """Convert SRC into the checkpoint folder DST; returns the per-weight errors."""
+    start = time.perf_counter()
+    log = log or (lambda line: print(line, file=sys.stderr))
+    check_destination(dst, opts.force)  # fail before the slow part
+    source = open_source(src)
+    report = ConvertReport(Path(dst).absolute())
+    calibrator = None
+    if opts.calibrate:
+        from quant.calibrate import GPTQCalibrator, calibration_tokens
+
+        tokens = calibration_tokens(
+            source.tokenizer, Path(opts.calib_data), opts.calib_tokens, opts.calib_seqlen
+        )
+        calibrator = GPTQCalibrator(source.config, tokens)
+    total = len(source.names)
+
+    def emit(name: str, new: Weight, old: Weight) -> tuple[str, Weight]:
+        report.errors[name] = relative_error(new, old)
+        fmt = new.format if isinstance(new, QuantizedTensor) else str(new.dtype).removeprefix("torch.")
+        group = f" g{new.group_size}" if isinstance(new, QuantizedTensor) else ""
+        report.formats[name] = fmt + group
+        if progress:
+            progress(len(report.errors), total, name)
+        if opts.verbose:
+            log(f"{name:<48} {fmt + group:<12} rel_err {report.errors[name]:.3e}")
+        return name, new
+
+    def stream() -> Iterator[tuple[str, Weight]]:
+        for group in _ordered(source.names):
+            if calibrator is not None and group and _LAYER.match(group[0]):
+                yield from _calibrated_layer(group, source, opts, calibrator, emit)
+                continue
+            for name in group:
+                old = source.load(name)
+                new = convert_weight(
+                    old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
+                )
+                if calibrator is not None and name == EMBED:
+                    calibrator.set_embedding(dense(new))
+                yield emit(name, new, old)
+
+    save_checkpoint(dst, source.config, source.tokenizer, stream(), source.names, force=opts.force)
+    report.seconds = time.perf_counter() - start
+    errors = [e for n, e in report.errors.items() if report.formats[n] not in ("float32",)]
+    if errors:
+        log(
+            f"converted {total} weights in {report.seconds:.1f} s; relative error mean "
+            f"{sum(errors) / len(errors):.3e}, max {max(errors):.3e}"
+        )
+    return report
+
+
+def _calibrated_layer(
+    names: list[str],
+    source: Source,
+    opts: ConvertOptions,
+    calibrator: Any,
+    emit: Callable[[str, Weight, Weight], tuple[str, Weight]],
+) -> Iterator[tuple[str, Weight]]:
+    from quant.calibrate import gptq_quantize
+
+    olds = {name: source.load(name) for name in names}
+    news: dict[str, Weight] = {}
+
+    def quantize(name: str, hessian: torch.Tensor | None) -> Weight:
+        old = olds[name]
+        fmt, group = target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
+        if hessian is None or fmt not in ("int4", "int8"):
+            news[name] = convert_weight(old, fmt, group)
+        else:
+            news[name] = gptq_quantize(dense(old), hessian, fmt, group or old.shape[1])
+        return news[name]
+
+    calibrator.run_layer(names[0][: _LAYER.match(names[0]).end()], quantize)
+    for name in names:
+        if name not in news:
+            quantize(name, None)
+        yield emit(name, news[name], olds[name])
