@@ -96,3 +96,30 @@ class RuntimeConfig:
     @property
     def value_dtype(self) -> str:
         return self.v_dtype or self.kv_dtype
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler shares the model between requests: batch size, per-step token budget,
+    waiting-queue bound and the KV watermark kept free at admission."""
+
+    max_num_seqs: int = 64  # sequences in one step (running batch cap)
+    max_num_batched_tokens: int = 512  # tokens per step: decodes first, prefill chunks fill the rest
+    max_waiting: int = 256  # past this a new request gets `overloaded`
+    kv_watermark: float = 0.01  # fraction of KV blocks admission leaves free for running decodes
+    retry_after_s: float = 1.0  # hint sent with `overloaded`
+    mailbox_size: int = 1024  # scheduler actor inbox bound (submissions wait when it is full)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "mailbox_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")

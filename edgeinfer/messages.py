@@ -1,0 +1,86 @@
+"""StepPlan and StepResult: the only messages between the scheduler and the model actor.
+
+Frozen plain data (ints, tuples, SamplingParams) so that `msgpack.packb(asdict(plan))` encodes
+them and the model actor could move into another process unchanged. The scheduler is the one
+writer of a StepPlan; the model actor is the one writer of a StepResult. Neither holds a
+reference to the other's state: block tables and copy orders come from the block manager by way
+of the scheduler, token ids come back by value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from edgeinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's share of a step: compute `token_ids` at positions start_pos.. and, when
+    `sample` is set (the chunk reaches the sequence's last token), sample its next token."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]  # new tokens whose K/V this step writes
+    start_pos: int  # position of token_ids[0]; earlier positions are already in the pool
+    block_table: tuple[int, ...]  # physical blocks covering positions 0 .. start_pos + len - 1
+    sample: bool  # False for a prefill chunk that does not reach the end of the sequence
+    params: SamplingParams
+    # For the sampler: output so far (seeded sampling and min_tokens read its length) and the
+    # prompt, sent only when a penalty reads it (empty otherwise, to keep decode messages small).
+    output_ids: tuple[int, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SeqStep:
+        fields = dict(data)
+        fields["params"] = SamplingParams(**data["params"])
+        for name in ("token_ids", "block_table", "output_ids", "prompt_ids"):
+            fields[name] = tuple(data[name])
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the model actor needs for one forward pass and the sampling after it."""
+
+    step_id: int
+    seqs: tuple[SeqStep, ...]
+    # Copy-on-write orders (src block, dst block), applied before the forward writes any K/V.
+    block_copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepPlan:
+        return cls(
+            step_id=data["step_id"],
+            seqs=tuple(SeqStep.from_dict(s) for s in data["seqs"]),
+            block_copies=tuple((src, dst) for src, dst in data["block_copies"]),
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step sampled, for the plan's rows with `sample` set, in plan order."""
+
+    step_id: int
+    seq_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None  # the chosen tokens' logprobs, when any row asked
+    # Per row: (token id, logprob) alternatives, best first, as many as that row asked for.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepResult:
+        top = data["top_logprobs"]
+        return cls(
+            step_id=data["step_id"],
+            seq_ids=tuple(data["seq_ids"]),
+            token_ids=tuple(data["token_ids"]),
+            logprobs=None if data["logprobs"] is None else tuple(data["logprobs"]),
+            top_logprobs=None if top is None else tuple(
+                tuple((int(t), float(lp)) for t, lp in row) for row in top),
+        )

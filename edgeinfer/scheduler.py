@@ -1,0 +1,313 @@
+"""Scheduler: request state, admission, continuous batching, chunked prefill, preemption. Pure Python.
+
+Writers: the scheduler is the one writer of every Sequence (status, queues, counters, detokenizer
+and stop checker) and the one caller of its BlockManager, which alone writes block tables and
+reference counts. It returns plain StepPlans and reads plain StepResults; it never touches the
+model or the KV pool.
+
+Algorithm. A sequence's tokens are prompt + output; the first `num_computed` have K/V in the
+pool, and the block manager holds `num_slots` >= num_computed slots for it. Each `schedule()`
+spends a budget of `max_num_batched_tokens` tokens: first on the running sequences, oldest
+first, each getting its uncomputed tokens (one for a decode, a chunk of a prefill, which is how a
+long prompt shares steps with decodes instead of stalling them); a decode first reserves the slot
+of its newest token, and when no block is free the newest running sequence is preempted (blocks
+freed, put back at the head of the waiting queue to be recomputed later; its output so far is
+kept, so nothing is emitted twice) until the append fits or the sequence preempted itself. Then,
+unless this step preempted, waiting sequences are admitted in arrival order while the budget,
+`max_num_seqs` and the blocks allow: a sequence is admitted when the blocks of its whole
+lifetime (prompt plus max_tokens, capped by the context) plus the watermark are available, or
+when nothing runs; it then gets blocks for all its current tokens at once (reusing cached prefix
+blocks) and its first chunk. Since any admitted sequence fits the pool alone and preemption
+always takes the newest, the oldest running sequence always progresses: no livelock, no
+deadlock. A chunk that reaches the sequence's last token samples its next token;
+`postprocess()` commits computed blocks for prefix sharing, runs the stop checks and finishes
+sequences, whose blocks are freed at once so a waiting request can join the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from edgeinfer.block_manager import BlockManager
+from edgeinfer.config import SchedulerConfig
+from edgeinfer.events import (
+    INVALID_PARAMS,
+    OVERLOADED,
+    PROMPT_TOO_LONG,
+    Accepted,
+    Event,
+    Finished,
+    RequestError,
+    Token,
+    TokenLogprob,
+    Usage,
+)
+from edgeinfer.messages import SeqStep, StepPlan, StepResult
+from edgeinfer.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.stop import StopChecker
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_len: int  # prompt + max_tokens, capped by the context and the pool
+    arrival_s: float
+    detokenizer: Detokenizer
+    stop: StopChecker
+    output_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V is in the pool
+    num_slots: int = 0  # token slots the block manager holds for it (0: no blocks)
+    block_table: tuple[int, ...] = ()
+    num_cached_tokens: int = 0  # prefix-cache hits at first admission
+    peak_blocks: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.output_ids]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    prefix_hit_rate: float
+    num_generated_tokens: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int, max_model_len: int,
+                 vocab_size: int, eos_token_ids: Sequence[int], bytes_per_token: int,
+                 make_detokenizer: Callable[[], Detokenizer], namespace: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, block_size, namespace)
+        self.block_size = block_size
+        self.max_seq_len = min(max_model_len, num_blocks * block_size)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.bytes_per_token = bytes_per_token
+        self._make_detokenizer = make_detokenizer
+        self._clock = clock
+        self._watermark = int(config.kv_watermark * num_blocks)
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []  # in admission order: newest last
+        self._by_request: dict[str, SeqState] = {}
+        self._by_seq: dict[int, SeqState] = {}
+        self._next_seq_id = 0
+        self._next_step_id = 0
+        self.num_generated_tokens = 0
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Accepted:
+        """Queue a request, or raise RequestError (invalid_params, prompt_too_long, overloaded)."""
+        if request_id in self._by_request:
+            raise RequestError(INVALID_PARAMS, f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise RequestError(INVALID_PARAMS, "the prompt is empty")
+        if params.n != 1:
+            raise RequestError(INVALID_PARAMS, f"n must be 1 for this engine, got {params.n}")
+        try:
+            params.check_vocab(self.vocab_size)
+        except InvalidParams as exc:
+            raise RequestError(INVALID_PARAMS, str(exc)) from None
+        if not all(0 <= t < self.vocab_size for t in prompt_ids):
+            raise RequestError(INVALID_PARAMS, f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise RequestError(PROMPT_TOO_LONG, (
+                f"the prompt has {len(prompt_ids)} tokens; at most {self.max_seq_len - 1} fit "
+                f"(context and KV pool of {self.block_manager.num_blocks * self.block_size} tokens)"))
+        if len(self.waiting) >= self.config.max_waiting:
+            raise RequestError(OVERLOADED, f"{len(self.waiting)} requests are already waiting",
+                               self.config.retry_after_s)
+        seq = SeqState(
+            self._next_seq_id, request_id, tuple(prompt_ids), params,
+            min(len(prompt_ids) + params.max_tokens, self.max_seq_len), self._clock(),
+            self._make_detokenizer(), StopChecker(params, self.eos_token_ids))
+        self._next_seq_id += 1
+        position = len(self.waiting)
+        self.waiting.append(seq)
+        self._by_request[request_id] = seq
+        self._by_seq[seq.seq_id] = seq
+        return Accepted(request_id, position, len(prompt_ids))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (client gone): its blocks are free when this returns."""
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return False
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        return True
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._by_request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Decide the next step (see the module docstring); the plan may be empty."""
+        budget = self.config.max_num_batched_tokens
+        steps: list[SeqStep] = []
+        copies: list[tuple[int, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.num_slots < len(seq.prompt_ids) + len(seq.output_ids):
+                fits, copy, did_preempt = self._append_or_preempt(seq)
+                preempted |= did_preempt
+                if not fits:
+                    break  # it was the newest: every sequence after it is gone too
+                copies.extend(copy)
+            steps.append(self._step(seq, budget))
+            budget -= len(steps[-1].token_ids)
+            i += 1
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs and self._can_admit(self.waiting[0])):
+            seq = self.waiting[0]
+            allocation = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            if allocation is None:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.block_table = allocation.block_ids
+            seq.num_slots = len(seq.prompt_ids) + len(seq.output_ids)
+            seq.num_computed = allocation.num_cached_tokens
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = self._clock()
+                seq.num_cached_tokens = allocation.num_cached_tokens
+            steps.append(self._step(seq, budget))
+            budget -= len(steps[-1].token_ids)
+        self._next_step_id += 1
+        return StepPlan(self._next_step_id - 1, tuple(steps), tuple(copies))
+
+    def postprocess(self, plan: StepPlan, result: StepResult) -> list[Event]:
+        """Apply a step's result: commit blocks, emit tokens, finish sequences. Returns events."""
+        now = self._clock()
+        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
+        events: list[Event] = []
+        for step in plan.seqs:
+            seq = self._by_seq.get(step.seq_id)
+            if seq is None:
+                continue  # aborted while the step ran
+            seq.num_computed = step.start_pos + len(step.token_ids)
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
+            if not step.sample:
+                continue
+            row = rows[seq.seq_id]
+            token_id = result.token_ids[row]
+            seq.output_ids.append(token_id)
+            self.num_generated_tokens += 1
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            seq.last_token_s = now
+            text, reason = seq.stop.push(token_id, seq.detokenizer.push(token_id))
+            if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
+                text, reason = text + seq.stop.flush(), "length"  # the context or pool is full
+            seq.text.append(text)
+            events.append(Token(seq.request_id, (token_id,), text, now - seq.arrival_s,
+                                self._logprobs(seq, result, row)))
+            if reason is not None:
+                events.append(self._finish(seq, reason, now))
+        return events
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(len(self.running), len(self.waiting), bm.num_blocks, bm.num_used, bm.num_free,
+                              bm.num_cached, bm.prefix_hit_rate, self.num_generated_tokens,
+                              self.num_preemptions)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _step(self, seq: SeqState, budget: int) -> SeqStep:
+        token_ids = seq.token_ids
+        start = seq.num_computed
+        chunk = tuple(token_ids[start:start + budget])
+        sample = start + len(chunk) == len(token_ids)
+        wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
+        return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
+                       tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else ())
+
+    def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
+        """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.
+        Returns (seq still runs, copy-on-write orders, whether anything was preempted)."""
+        num_new = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_slots
+        preempted = False
+        while True:
+            appended = self.block_manager.append_slots(seq.seq_id, num_new)
+            if appended is not None:
+                seq.block_table = appended.block_ids
+                seq.num_slots += num_new
+                copy = [(appended.copy.src_block_id, appended.copy.dst_block_id)] if appended.copy else []
+                return True, copy, preempted
+            victim = self.running.pop()
+            self.block_manager.free(victim.seq_id)
+            victim.num_computed = victim.num_slots = 0
+            victim.block_table = ()
+            self.waiting.appendleft(victim)
+            self.num_preemptions += 1
+            preempted = True
+            if victim is seq:
+                return False, [], preempted
+
+    def _can_admit(self, seq: SeqState) -> bool:
+        if not self.running:
+            return True  # it fits the pool alone (max_len <= pool slots)
+        lifetime_blocks = -(-seq.max_len // self.block_size)
+        return lifetime_blocks + self._watermark <= self.block_manager.num_available
+
+    def _finish(self, seq: SeqState, reason: str, now: float) -> Finished:
+        self.running.remove(seq)
+        self._release(seq)
+        num_out = len(seq.output_ids)
+        first = seq.first_token_s if seq.first_token_s is not None else now
+        last = seq.last_token_s if seq.last_token_s is not None else now
+        usage = Usage(
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=num_out,
+            cached_prompt_tokens=seq.num_cached_tokens,
+            queue_time_s=(seq.first_scheduled_s or now) - seq.arrival_s,
+            ttft_s=first - seq.arrival_s, tpot_s=(last - first) / (num_out - 1) if num_out > 1 else 0.0,
+            total_time_s=now - seq.arrival_s,
+            peak_kv_bytes=seq.peak_blocks * self.block_size * self.bytes_per_token)
+        return Finished(seq.request_id, reason, usage, "".join(seq.text))
+
+    def _release(self, seq: SeqState) -> None:
+        if seq.num_slots:
+            self.block_manager.free(seq.seq_id)
+            seq.num_slots = 0
+        del self._by_request[seq.request_id]
+        del self._by_seq[seq.seq_id]
+
+    def _logprobs(self, seq: SeqState, result: StepResult, row: int) -> tuple[TokenLogprob, ...] | None:
+        if result.logprobs is None or seq.params.logprobs is None:
+            return None
+        top = result.top_logprobs[row] if result.top_logprobs is not None else ()
+        return (TokenLogprob(result.token_ids[row], result.logprobs[row], tuple(top)),)

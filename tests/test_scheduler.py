@@ -1,0 +1,247 @@
+"""Scheduler tests: pure Python, tiny pools (block size 4, 8 blocks), a fake model runner.
+
+The fake runner stores each token id in its KV slot and answers, for every chunk, a next token
+that hashes the whole context read back through the block table: a wrong block table, position,
+copy or prefix hit changes the output, so "same tokens as alone" checks the paging too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import msgpack
+import pytest
+import torch
+
+from edgeinfer.config import SchedulerConfig
+from edgeinfer.events import (
+    INVALID_PARAMS,
+    OVERLOADED,
+    PROMPT_TOO_LONG,
+    Accepted,
+    Finished,
+    RequestError,
+    Token,
+)
+from edgeinfer.messages import StepPlan, StepResult
+from edgeinfer.model_actor import ModelActor
+from edgeinfer.model_runner import SeqChunk
+from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.scheduler import Scheduler
+
+VOCAB = 32
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: a deterministic function of the whole context, never EOS."""
+    return 1 + (sum((i + 1) * t for i, t in enumerate(context)) * 7 + len(context)) % (VOCAB - 1)
+
+
+def expected_tokens(prompt: list[int], num_tokens: int) -> list[int]:
+    context = list(prompt)
+    for _ in range(num_tokens):
+        context.append(next_token(context))
+    return context[len(prompt):]
+
+
+class FakePool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.slots: dict[int, int] = {}  # slot -> token id stored there
+
+    def bytes_per_token(self) -> int:
+        return 10
+
+    def copy_blocks(self, src_dst: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for src, dst in src_dst:
+            for offset in range(bs):
+                if src * bs + offset in self.slots:
+                    self.slots[dst * bs + offset] = self.slots[src * bs + offset]
+
+
+class FakeRunner:
+    """Stands in for ModelRunner: `logits(chunks)` -> one (VOCAB,) row per chunk."""
+
+    def __init__(self, num_blocks: int = 8, block_size: int = 4, on_step=None) -> None:  # noqa: ANN001
+        self.pool = FakePool(num_blocks, block_size)
+        self.on_step = on_step  # called with the chunks before each step (tests hook in here)
+        self.steps: list[list[SeqChunk]] = []
+
+    def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        if self.on_step is not None:
+            self.on_step(chunks)
+        self.steps.append(chunks)
+        bs, slots = self.pool.block_size, self.pool.slots
+        rows = torch.zeros(len(chunks), VOCAB)
+        for row, chunk in enumerate(chunks):
+            slot = lambda pos: chunk.block_table[pos // bs] * bs + pos % bs  # noqa: B023
+            for k, token_id in enumerate(chunk.token_ids):
+                slots[slot(chunk.start_pos + k)] = token_id
+            context = [slots[slot(pos)] for pos in range(chunk.start_pos + len(chunk.token_ids))]
+            rows[row, next_token(context)] = 10.0
+        return rows
+
+
+class Letters:
+    """Fake detokenizer: token t is the letter chr(ord('a') + t % 26)."""
+
+    def push(self, token_id: int) -> str:
+        return chr(ord("a") + token_id % 26)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+def make(num_blocks: int = 8, block_size: int = 4, **config) -> tuple[Scheduler, ModelActor]:  # noqa: ANN003
+    runner = FakeRunner(num_blocks, block_size)
+    cfg = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16, "kv_watermark": 0.0, **config})
+    sched = Scheduler(cfg, num_blocks=num_blocks, block_size=block_size, max_model_len=64, vocab_size=VOCAB,
+                      eos_token_ids=(EOS,), bytes_per_token=10, make_detokenizer=Letters)
+    return sched, ModelActor(runner, VOCAB, (EOS,))
+
+
+def step(sched: Scheduler, model: ModelActor) -> tuple[StepPlan, list]:
+    plan = sched.schedule()
+    events = sched.postprocess(plan, model.execute(plan))
+    sched.block_manager.check_invariants()
+    return plan, events
+
+
+def run_all(sched: Scheduler, model: ModelActor) -> dict[str, list]:
+    events: dict[str, list] = {}
+    for _ in range(500):
+        if not sched.has_work:
+            return events
+        for event in step(sched, model)[1]:
+            events.setdefault(event.request_id, []).append(event)
+    raise AssertionError("the scheduler did not finish in 500 steps")
+
+
+def tokens_of(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, Token) for t in e.token_ids]
+
+
+def test_messages_round_trip_msgpack() -> None:
+    sched, model = make()
+    sched.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, logit_bias={3: 1.5}, stop=["x"]))
+    plan = sched.schedule()
+    assert StepPlan.from_dict(msgpack.unpackb(msgpack.packb(asdict(plan)))) == plan
+    result = model.execute(plan)
+    result = StepResult(result.step_id, result.seq_ids, result.token_ids, (-0.5,), (((7, -0.5), (3, -2.0)),))
+    assert StepResult.from_dict(msgpack.unpackb(msgpack.packb(asdict(result)))) == result
+
+
+def test_continuous_batching_exact_blocks() -> None:
+    sched, model = make()
+    assert sched.add_request("a", [1, 2, 3, 4, 5], GREEDY) == Accepted("a", 0, 5)
+    two = SamplingParams(temperature=0.0, max_tokens=2)
+    assert sched.add_request("b", [6, 7, 8], two) == Accepted("b", 1, 3)
+    plan, _ = step(sched, model)
+    assert [(s.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample) for s in plan.seqs] == [
+        (0, (1, 2, 3, 4, 5), 0, (0, 1), True), (1, (6, 7, 8), 0, (2,), True)]
+    plan, events = step(sched, model)  # decodes: a's 6th token fits block 1, b's 4th fills block 2
+    assert [(s.start_pos, s.block_table) for s in plan.seqs] == [(5, (0, 1)), (3, (2,))]
+    assert isinstance(events[-1], Finished) and events[-1].request_id == "b"  # max_tokens=2
+    assert sched.stats().num_running == 1 and sched.block_manager.num_used == 2  # b's block is free
+    assert sched.add_request("c", [9, 9, 9, 9, 9], GREEDY).queue_position == 0
+    plan, _ = step(sched, model)  # c joins the next step while a decodes
+    assert [(s.seq_id, s.start_pos, s.block_table) for s in plan.seqs] == [(0, 6, (0, 1)), (2, 0, (3, 4))]
+    out = run_all(sched, model)
+    assert tokens_of(out["a"]) == expected_tokens([1, 2, 3, 4, 5], 4)[3:]
+    assert sched.block_manager.num_used == 0
+
+
+def test_chunked_prefill_keeps_decodes_running() -> None:
+    sched, model = make(num_blocks=16, max_num_seqs=2, max_num_batched_tokens=4)
+    sched.add_request("short", [1, 2], SamplingParams(temperature=0.0, max_tokens=8))
+    step(sched, model)
+    sched.add_request("long", list(range(1, 12)), SamplingParams(temperature=0.0, max_tokens=2))
+    chunks = []
+    for _ in range(4):
+        plan, _ = step(sched, model)
+        assert plan.seqs[0].seq_id == 0 and len(plan.seqs[0].token_ids) == 1  # the decode, every step
+        chunks.append((plan.seqs[1].start_pos, len(plan.seqs[1].token_ids), plan.seqs[1].sample))
+    assert chunks == [(0, 3, False), (3, 3, False), (6, 3, False), (9, 2, True)]
+    out = run_all(sched, model)
+    assert tokens_of(out["long"]) == expected_tokens(list(range(1, 12)), 2)[1:]
+
+
+def test_admission_prices_the_whole_request() -> None:
+    sched, model = make()  # 8 blocks of 4 = 32 slots
+    params = SamplingParams(temperature=0.0, max_tokens=8)  # 12 + 8 tokens: 5 blocks for life
+    for rid in "abc":
+        sched.add_request(rid, [ord(rid) % VOCAB] * 12, params)
+    sched.add_request("d", [1], SamplingParams(temperature=0.0, max_tokens=3))  # 1 block for life
+    plan, first = step(sched, model)
+    # a: 3 blocks now, 5 free; b's 5 fit; then 2 free: c's 5 do not, and d may not overtake c.
+    assert [(s.seq_id, s.block_table) for s in plan.seqs] == [(0, (0, 1, 2)), (1, (3, 4, 5))]
+    assert sched.stats().num_waiting == 2
+    out = run_all(sched, model)
+    assert sched.num_preemptions > 0  # a and b outgrow the pool together: b is recomputed
+    for rid in "abc":
+        events = [e for e in first if e.request_id == rid] + out[rid]
+        assert tokens_of(events) == expected_tokens([ord(rid) % VOCAB] * 12, 8)
+    assert out["c"][-1].usage.queue_time_s >= 0
+
+
+def test_preemption_recomputes_and_gives_the_same_tokens() -> None:
+    sched, model = make(num_blocks=6)
+    prompts = {f"r{i}": [i + 1] * (3 + i) for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6))
+    out = run_all(sched, model)
+    assert sched.num_preemptions > 0
+    for rid, prompt in prompts.items():
+        assert tokens_of(out[rid]) == expected_tokens(prompt, 6), rid
+        assert isinstance(out[rid][-1], Finished) and out[rid][-1].finish_reason == "length"
+    assert sched.block_manager.num_used == 0
+
+
+def test_prefix_cache_reuse_is_reported() -> None:
+    sched, model = make(num_blocks=16)
+    prompt = list(range(1, 11))
+    sched.add_request("a", prompt, GREEDY)
+    run_all(sched, model)
+    sched.add_request("b", prompt, GREEDY)
+    out = run_all(sched, model)
+    assert out["b"][-1].usage.cached_prompt_tokens == 8
+    assert tokens_of(out["b"]) == expected_tokens(prompt, 4)
+
+
+def test_admission_errors() -> None:
+    sched, _ = make(max_waiting=2)
+    with pytest.raises(RequestError) as err:
+        sched.add_request("long", [1] * 32, GREEDY)  # the pool holds 32 tokens: no room to decode
+    assert err.value.code == PROMPT_TOO_LONG
+    for params in (SamplingParams(n=2), SamplingParams(logit_bias={VOCAB: 1.0})):
+        with pytest.raises(RequestError) as err:
+            sched.add_request("bad", [1], params)
+        assert err.value.code == INVALID_PARAMS
+    sched.add_request("a", [1], GREEDY)
+    sched.add_request("b", [1], GREEDY)
+    with pytest.raises(RequestError) as err:
+        sched.add_request("c", [1], GREEDY)
+    assert err.value.code == OVERLOADED and err.value.retry_after_s == 1.0
+
+
+def test_abort_frees_blocks_mid_prefill() -> None:
+    sched, model = make(max_num_batched_tokens=4)
+    sched.add_request("a", list(range(1, 15)), GREEDY)
+    plan, _ = step(sched, model)
+    assert not plan.seqs[0].sample and sched.block_manager.num_used == 4
+    assert sched.abort("a")
+    assert sched.block_manager.num_used == 0 and not sched.has_work
+
+
+def test_stop_string_eos_and_text() -> None:
+    sched, model = make()
+    prompt = [1, 2, 3]
+    want = expected_tokens(prompt, 4)
+    letters = "".join(Letters().push(t) for t in want)
+    sched.add_request("s", prompt, SamplingParams(temperature=0.0, max_tokens=4, stop=[letters[2:4]]))
+    sched.add_request("e", prompt, SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[want[1]]))
+    out = run_all(sched, model)
+    assert out["s"][-1].finish_reason == "stop" and out["s"][-1].text == letters[:2]
+    assert out["e"][-1].finish_reason == "stop" and out["e"][-1].text == letters[:1]
