@@ -70,10 +70,17 @@ LOGITS = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 1.5
     {"min_p": 0.1},
     {"top_k": 6, "top_p": 0.8, "min_p": 0.05, "temperature": 1.3},
 ])
-@pytest.mark.parametrize("seeded", [False, True])
-def test_frequencies_match_truncated_distribution(kwargs, seeded):
+def test_frequencies_match_truncated_distribution(kwargs):
     expected = reference_probs(LOGITS, **kwargs)
-    counts = sample_many(LOGITS, SamplingParams(**kwargs), seeded=seeded)
+    counts = sample_many(LOGITS, SamplingParams(**kwargs))
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"top_k": 6, "top_p": 0.8, "min_p": 0.05, "temperature": 1.3}])
+def test_seeded_rows_have_the_same_distribution(kwargs):
+    """Seeds 0..N-1 draw their uniforms from seeded_uniform: they must be as uniform as torch's."""
+    expected = reference_probs(LOGITS, **kwargs)
+    counts = sample_many(LOGITS, SamplingParams(**kwargs), seeded=True)
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
@@ -176,3 +183,22 @@ def test_no_logprobs_when_none_asked():
     batch = SamplingBatch.from_params([SamplingParams()], [[]], [[]], VOCAB)
     out = sample(torch.randn(1, VOCAB), batch)
     assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
+
+
+def test_truncation_matches_reference_on_a_large_vocabulary():
+    """Beyond _MIN_CANDIDATES tokens: the partial sort, its fall-back to a full sort for a wide
+    nucleus, a top_k above the candidate count, and an untruncated row beside truncated ones."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(5)
+    scales = [4.0, 0.1, 1.0, 1.0, 2.0]
+    logits = torch.stack([torch.randn(vocab, generator=gen) * s for s in scales])
+    kwargs = [{"top_p": 0.9}, {"top_p": 0.99}, {"top_k": 600}, {},
+              {"top_k": 5, "top_p": 0.5, "temperature": 0.7}]
+    for rows in ([0, 2, 3, 4], [1, 3]):  # without, then with a nucleus wider than the candidates
+        params = [SamplingParams(**kwargs[r]) for r in rows]
+        batch = SamplingBatch.from_params(params, [[]] * len(rows), [[]] * len(rows), vocab)
+        probs = sampling_probs(logits[rows], batch)
+        for i, row in enumerate(rows):
+            expected = reference_probs(logits[row], **kwargs[row])
+            assert torch.equal(probs[i] > 0, expected > 0), kwargs[row]
+            assert torch.allclose(probs[i].double(), expected, atol=1e-6), kwargs[row]
