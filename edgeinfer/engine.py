@@ -1,0 +1,217 @@
+"""Engine: the async API over the actors. `async with Engine(config) as engine:` then
+`async for event in engine.generate(request)`.
+
+The engine owns the supervising task group: the model actor and the scheduler actor start under
+it with `tg.start` and share nothing but messages. An actor that fails takes both down; the
+scheduler actor answers every open request with an internal_error Error event on its way out,
+and the supervisor logs the failure and records it in `engine.error` instead of cancelling the
+caller's task, so every client sees its Error event. Leaving the `async with` closes the
+scheduler's inbox: open requests get engine_closed and the actors end.
+
+Each request's events flow through its own bounded stream, whose receive end the caller's
+RequestStream holds; closing it (break, cancellation, `aclose`) is how a request is cancelled:
+the scheduler actor sees the closed stream and frees the sequence's blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from edgeinfer.actor import ActorFailed, mailbox, serve
+from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
+from edgeinfer.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished
+from edgeinfer.loader import load_model
+from edgeinfer.model_actor import ModelActor, StepRunner, build_runner
+from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.scheduler import Scheduler
+from edgeinfer.scheduler_actor import EngineStats, SchedulerActor, Submit
+from edgeinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One completion request: exactly one of prompt, prompt_token_ids or messages (a chat,
+    rendered with the model's chat template)."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._runner: StepRunner | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._model_config: ModelConfig | None = None
+        self._scheduler_config = config.scheduler
+        self._max_model_len = config.runtime.max_model_len
+        self.error: BaseException | None = None  # why the actors stopped, if they failed
+        self._closed = False
+
+    @classmethod
+    def from_runner(cls, runner: StepRunner, tokenizer: Any, model_config: ModelConfig,
+                    scheduler: SchedulerConfig | None = None, max_model_len: int | None = None) -> Engine:
+        """An engine over an already-built runner (a loaded model reused, or a fake in tests)."""
+        engine = cls(EngineConfig("<runner>", scheduler=scheduler or SchedulerConfig()))
+        engine._runner, engine._tokenizer, engine._model_config = runner, tokenizer, model_config
+        engine._max_model_len = max_model_len
+        return engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self._tokenizer is not None, "the engine is not started"
+        return self._tokenizer
+
+    def stats(self) -> EngineStats:
+        return self._scheduler_actor.stats
+
+    async def __aenter__(self) -> Engine:
+        if self._runner is None:
+            loaded = await anyio.to_thread.run_sync(load_model, self.config.model_path)
+            self._runner = await anyio.to_thread.run_sync(build_runner, loaded, self.config.runtime)
+            self._tokenizer, self._model_config = loaded.tokenizer, loaded.config
+        c, pool = self._model_config, self._runner.pool
+        scheduler = Scheduler(
+            self._scheduler_config, num_blocks=pool.num_blocks, block_size=pool.block_size,
+            max_model_len=min(c.max_position, self._max_model_len or c.max_position),
+            vocab_size=c.vocab_size, eos_token_ids=c.eos_token_ids, bytes_per_token=pool.bytes_per_token(),
+            make_detokenizer=self._tokenizer.detokenizer,
+            namespace=f"{c.architecture}/{c.vocab_size}/{c.hidden_size}/{c.num_layers}")
+        model_ref, self._model_inbox = mailbox("model", 1)
+        self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
+        self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids)
+        self._scheduler_actor = SchedulerActor(scheduler, model_ref)
+        log.info("engine ready: %d KV blocks of %d tokens (%d tokens)", pool.num_blocks, pool.block_size,
+                 pool.num_blocks * pool.block_size)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            await self._tg.start(self._supervise)
+        except BaseException as exc:
+            await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._submit.close()  # the scheduler answers what is open with engine_closed, then ends
+        if exc is not None:
+            self._tg.cancel_scope.cancel()  # the body failed or was cancelled: do not drain
+        # Not handed the body's exception: it propagates as itself, not wrapped in a group.
+        await self._tg.__aexit__(None, None, None)
+
+    async def _supervise(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(serve, "model", self._model_inbox, self._model_actor.handle)
+                await tg.start(self._scheduler_actor.run, self._scheduler_inbox)
+                task_status.started()
+        except Exception as exc:
+            # Logged and kept, not raised: raising here would cancel the caller's task before
+            # its clients read the Error events the scheduler actor just sent them.
+            log.error("engine actors failed; the engine is closed", exc_info=exc)
+            self.error = exc
+        finally:
+            self._closed = True
+            self._submit.close()
+
+    def generate(self, request: GenerateRequest) -> RequestStream:
+        """The request's events: Accepted, Token..., then Finished; or an Error at any point."""
+        return RequestStream(self, request)
+
+    def _prompt_ids(self, request: GenerateRequest) -> tuple[int, ...]:
+        given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        if request.prompt is not None:
+            return tuple(self.tokenizer.encode(request.prompt))
+        if request.messages is not None:
+            text = self.tokenizer.apply_chat_template([dict(m) for m in request.messages])
+            return tuple(self.tokenizer.encode(text, add_special=False))  # the template has them
+        return tuple(int(t) for t in request.prompt_token_ids)
+
+    def _closed_error(self, request_id: str) -> Error:
+        if self.error is not None:
+            return Error(request_id, INTERNAL, f"the engine failed: {self.error!r}")
+        return Error(request_id, ENGINE_CLOSED, "the engine is closed")
+
+
+class RequestStream:
+    """Async iterator over one request's events. Closing it cancels the request; it closes
+    itself after the final event, on any exception in the consumer's wait, and when dropped."""
+
+    def __init__(self, engine: Engine, request: GenerateRequest) -> None:
+        self._engine = engine
+        self._request = request
+        self._receive: Any = None
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._done:
+            raise StopAsyncIteration
+        if self._receive is None:
+            error = await self._submit()
+            if error is not None:
+                self._done = True
+                return error
+        try:
+            event = await self._receive.receive()
+        except anyio.EndOfStream:
+            event = self._engine._closed_error(self._request.request_id)
+        except BaseException:
+            self.close()  # cancelled while waiting: the request goes with the consumer
+            raise
+        if isinstance(event, (Finished, Error)):
+            self._done = True
+            self.close()
+        return event
+
+    async def _submit(self) -> Error | None:
+        engine, request = self._engine, self._request
+        try:
+            prompt_ids = engine._prompt_ids(request)
+        except ValueError as exc:  # bad request shape, bad chat messages or template
+            return Error(request.request_id, INVALID_PARAMS, str(exc))
+        # Room for every event the request can produce, so the scheduler never waits on us.
+        send, self._receive = anyio.create_memory_object_stream[Event](request.params.max_tokens + 3)
+        try:
+            await engine._submit.tell(Submit(request.request_id, prompt_ids, request.params, send))
+        except ActorFailed:
+            send.close()
+            return engine._closed_error(request.request_id)
+        return None
+
+    def close(self) -> None:
+        if self._receive is not None:
+            self._receive.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,190 @@
+"""SchedulerActor: the anyio task around the Scheduler; routes events to per-request streams.
+
+Writers: this actor's task is the one caller of its Scheduler (hence the one writer of request
+state and block tables), the one sender on every request's event stream, and the one writer of
+the `stats` snapshot that the Engine reads. Its inbox carries Submit messages from
+`Engine.generate`; the model actor is reached only through `ask(StepPlan)`.
+
+The loop: wait for a submission while idle; take every queued submission; drop each request
+whose client closed its receive stream (freeing its blocks before the next step is planned);
+then `plan = scheduler.schedule(); result = await model.ask(plan); events =
+scheduler.postprocess(plan, result)` and send the events. Event streams are sized to hold every
+event of a request, so sending never waits on a slow client. However the loop ends (inbox closed,
+model failure, a bug here, cancellation) every open request is answered with an Error event and
+its stream closed: engine_closed for an orderly shutdown, internal_error otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from edgeinfer.actor import ActorRef, Envelope
+from edgeinfer.events import ENGINE_CLOSED, INTERNAL, Error, Event, Finished, RequestError
+from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over the steps of this last window
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A new request (in-process only: it carries the request's event stream)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    events: MemoryObjectSendStream[Event]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0  # free but holding a reusable prefix
+    kv_bytes_used: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    tokens_per_s: float = 0.0  # generated tokens, over the last THROUGHPUT_WINDOW_S
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class SchedulerActor:
+    def __init__(self, scheduler: Scheduler, model: ActorRef[object]) -> None:
+        self.scheduler = scheduler
+        self._model = model
+        self._streams: dict[str, MemoryObjectSendStream[Event]] = {}
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
+        self._num_steps = 0
+        self.stats = EngineStats()
+        self._publish_stats()
+
+    async def run(self, inbox: MemoryObjectReceiveStream[Envelope[Submit]], *,
+                  task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        code = INTERNAL  # unless the inbox closes: anything else ending this loop is a failure
+        try:
+            async with inbox:
+                while True:
+                    if not self.scheduler.has_work:
+                        try:
+                            self._submit((await inbox.receive()).message)
+                        except anyio.EndOfStream:
+                            code = ENGINE_CLOSED
+                            break
+                    if not self._take_submissions(inbox):
+                        code = ENGINE_CLOSED
+                        break
+                    self._drop_closed_streams()
+                    if self.scheduler.has_work:
+                        await self._step()
+        finally:
+            self._answer_all(code, inbox)
+            self._model.close()
+
+    async def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        # Cannot be empty: a waiting request is always admitted when nothing runs.
+        assert plan.seqs, "the scheduler planned an empty step while it has work"
+        result = await self._model.ask(plan)
+        for event in self.scheduler.postprocess(plan, result):
+            self._send(event)
+        self._num_steps += 1
+        self._publish_stats(sum(1 for s in plan.seqs if s.sample))
+
+    def _submit(self, msg: Submit) -> None:
+        try:
+            accepted = self.scheduler.add_request(msg.request_id, msg.prompt_ids, msg.params)
+        except RequestError as exc:
+            _send_final(msg.events, Error(msg.request_id, exc.code, exc.message, exc.retry_after_s))
+            return
+        self._streams[msg.request_id] = msg.events
+        self._send(accepted)
+
+    def _take_submissions(self, inbox: MemoryObjectReceiveStream[Envelope[Submit]]) -> bool:
+        """Handle every queued submission; False once the inbox is closed and empty."""
+        while True:
+            try:
+                self._submit(inbox.receive_nowait().message)
+            except anyio.WouldBlock:
+                return True
+            except anyio.EndOfStream:
+                return False
+
+    def _drop_closed_streams(self) -> None:
+        for request_id, stream in list(self._streams.items()):
+            if stream.statistics().open_receive_streams == 0:
+                self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._streams.pop(request_id).close()
+        self._publish_stats()
+
+    def _send(self, event: Event) -> None:
+        stream = self._streams.get(event.request_id)
+        if stream is None:
+            return
+        try:
+            stream.send_nowait(event)
+        except anyio.BrokenResourceError:  # the client went away
+            self._drop(event.request_id)
+            return
+        except anyio.WouldBlock:  # cannot happen with streams sized by max_tokens; never wait
+            log.warning("request %s: event stream full, cancelling it", event.request_id)
+            self._drop(event.request_id)
+            return
+        if isinstance(event, (Finished, Error)):
+            self._streams.pop(event.request_id).close()
+
+    def _answer_all(self, code: str, inbox: MemoryObjectReceiveStream[Envelope[Submit]]) -> None:
+        message = "the engine is shutting down" if code == ENGINE_CLOSED else "the engine failed"
+        while True:  # submissions still queued get the same answer
+            try:
+                msg = inbox.receive_nowait().message
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            _send_final(msg.events, Error(msg.request_id, code, message))
+        for request_id, stream in list(self._streams.items()):
+            _send_final(stream, Error(request_id, code, message))
+        try:  # free the blocks too, unless the scheduler's own failure brought us here
+            for request_id in self._streams:
+                self.scheduler.abort(request_id)
+            self._publish_stats()
+        except Exception:
+            log.exception("could not release the requests' blocks at shutdown")
+        self._streams.clear()
+
+    def _publish_stats(self, num_new_tokens: int = 0) -> None:
+        now = time.monotonic()
+        self._recent.append((now, num_new_tokens))
+        while now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        span = now - self._recent[0][0]
+        s = self.scheduler.stats()
+        bytes_per_block = self.scheduler.block_size * self.scheduler.bytes_per_token
+        self.stats = EngineStats(
+            s.num_running, s.num_waiting, s.num_blocks, s.num_blocks_used, s.num_blocks_free,
+            s.num_blocks_cached, s.num_blocks_used * bytes_per_block,
+            s.prefix_hit_rate, sum(n for _, n in self._recent) / span if span > 0 else 0.0,
+            s.num_generated_tokens, s.num_preemptions, self._num_steps)
+
+
+def _send_final(stream: MemoryObjectSendStream[Event], event: Event) -> None:
+    with stream:
+        try:
+            stream.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
+            pass  # the client is gone or not reading: nobody to tell

@@ -1,0 +1,154 @@
+"""Actor runtime and Engine wiring with a fake model runner: tell/ask, failure, cancellation."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+from test_scheduler import VOCAB, FakeRunner, Letters, expected_tokens
+
+from edgeinfer.actor import ActorFailed, mailbox, serve
+from edgeinfer.config import ModelConfig, SchedulerConfig
+from edgeinfer.engine import Engine, GenerateRequest
+from edgeinfer.events import ENGINE_CLOSED, INTERNAL, Accepted, Error, Finished, Token
+from edgeinfer.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeTokenizer:
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return [1 + ord(ch) % (VOCAB - 1) for ch in text]
+
+    def detokenizer(self) -> Letters:
+        return Letters()
+
+
+CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                     num_kv_heads=1, head_dim=8, max_position=256, eos_token_ids=(0,))
+
+
+def fake_engine(runner: FakeRunner, **scheduler) -> Engine:  # noqa: ANN003
+    settings = {"max_num_seqs": 4, "max_num_batched_tokens": 8, "kv_watermark": 0.0, **scheduler}
+    cfg = SchedulerConfig(**settings)
+    return Engine.from_runner(runner, FakeTokenizer(), CONFIG, cfg)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+async def collect(engine: Engine, request: GenerateRequest) -> list:
+    return [event async for event in engine.generate(request)]
+
+
+async def test_tell_ask_and_failure_reply() -> None:
+    seen = []
+
+    async def handle(msg: int) -> int:
+        if msg < 0:
+            raise ValueError("negative")
+        seen.append(msg)
+        return msg * 2
+
+    ref, inbox = mailbox("double", 2)
+    with anyio.fail_after(5):
+        with pytest.raises(Exception) as err:  # noqa: B017 - the task group wraps it in a group
+            async with anyio.create_task_group() as tg:
+                await tg.start(serve, "double", inbox, handle)
+                await ref.tell(1)
+                assert await ref.ask(3) == 6
+                with pytest.raises(ActorFailed):
+                    await ref.ask(-1)  # the asker is answered before the actor dies
+    assert seen == [1, 3]
+    assert "negative" in repr(err.value)
+
+
+async def test_engine_streams_and_stats() -> None:
+    runner = FakeRunner(num_blocks=16)
+    with anyio.fail_after(10):
+        async with fake_engine(runner) as engine:
+            events = await collect(engine, GenerateRequest("a", prompt="hello", params=greedy(5)))
+            assert isinstance(events[0], Accepted) and isinstance(events[-1], Finished)
+            tokens = [t for e in events if isinstance(e, Token) for t in e.token_ids]
+            assert tokens == expected_tokens(FakeTokenizer().encode("hello"), 5)
+            usage = events[-1].usage
+            # 5 + 4 tokens in KV (the last sampled one never is): 3 blocks of 4 slots, 10 bytes each
+            assert (usage.prompt_tokens, usage.completion_tokens, usage.peak_kv_bytes) == (5, 5, 3 * 4 * 10)
+            stats = engine.stats()
+            assert stats.num_generated_tokens == 5 and stats.kv_blocks_used == 0 and stats.num_running == 0
+            bad = await collect(engine, GenerateRequest("b", params=greedy(5)))
+            assert bad[0].code == "invalid_params"
+        late = await collect(engine, GenerateRequest("c", prompt="x"))
+        assert [type(e) for e in late] == [Error] and late[0].code == ENGINE_CLOSED
+
+
+async def test_cancel_frees_blocks_before_next_step_even_mid_prefill() -> None:
+    """A consumer that stops reading cancels its request: the next step no longer has it and its
+    blocks are already free when that step runs (checked from inside the runner)."""
+    checks: list[tuple[int, int]] = []  # per step: (chunks, blocks in use while it runs)
+    cancelled = threading.Event()
+    engine: Engine
+
+    def on_step(chunks) -> None:  # noqa: ANN001 - runs in the model thread while the scheduler waits
+        checks.append((len(chunks), engine._scheduler_actor.scheduler.block_manager.num_used))
+        if len(checks) == 2:
+            cancelled.wait(5)  # the client goes away while the second prefill chunk runs
+
+    runner = FakeRunner(num_blocks=16, on_step=on_step)
+    engine = fake_engine(runner, max_num_batched_tokens=4)
+    with anyio.fail_after(10):
+        async with engine:
+            # 14-token prompt, 4 tokens per step: cancelled during its second chunk, mid-prefill.
+            stream = engine.generate(GenerateRequest("long", prompt="abcdefghijklmn", params=greedy(4)))
+            assert isinstance(await stream.__anext__(), Accepted)
+            while len(checks) < 2:
+                await anyio.sleep(0.001)
+            await stream.aclose()
+            cancelled.set()
+            other = await collect(engine, GenerateRequest("next", prompt="hi", params=greedy(2)))
+            assert isinstance(other[-1], Finished)
+            # Steps 1-2 held long's 4 blocks; every step after the cancel only next's one block.
+            assert checks[:2] == [(1, 4), (1, 4)] and checks[2:] == [(1, 1), (1, 1)]
+            assert engine.stats().kv_blocks_used == 0
+
+            with anyio.move_on_after(0.2):  # cancel a decoding consumer from outside
+                async for _event in engine.generate(GenerateRequest("slow", prompt="a", params=greedy(200))):
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.05)
+            assert engine.stats().num_running == 0 and engine.stats().kv_blocks_used == 0
+
+
+async def test_actor_failure_answers_every_open_stream() -> None:
+    fail = threading.Event()
+
+    def on_step(chunks) -> None:  # noqa: ANN001
+        if fail.is_set():
+            raise RuntimeError("boom in the model")
+
+    runner = FakeRunner(num_blocks=16, on_step=on_step)
+    results: dict[str, list] = {}
+
+    async def client(engine: Engine, rid: str) -> None:
+        results[rid] = await collect(engine, GenerateRequest(rid, prompt="ab", params=greedy(100)))
+
+    with anyio.fail_after(10):
+        async with fake_engine(runner) as engine:
+            async with anyio.create_task_group() as tg:
+                for rid in ("x", "y", "z"):
+                    tg.start_soon(client, engine, rid)
+                while engine.stats().num_generated_tokens < 6:
+                    await anyio.sleep(0.001)
+                fail.set()
+            assert isinstance(engine.error, Exception)
+            late = await collect(engine, GenerateRequest("late", prompt="a"))
+            assert late[0].code == INTERNAL
+    for rid in ("x", "y", "z"):
+        assert isinstance(results[rid][-1], Error) and results[rid][-1].code == INTERNAL, results[rid][-1]
+        assert sum(isinstance(e, (Error, Finished)) for e in results[rid]) == 1
