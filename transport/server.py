@@ -144,7 +144,7 @@ class Server:
             return
         self.draining = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        self._ws.close(close_connections=False)  # stops listening; open connections carry on
+        self._ws.server.close()  # the asyncio server: stop listening; open connections carry on
         deadline = time.monotonic() + timeout_s
         while any(c.requests for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -237,7 +237,8 @@ class Server:
 
 
 def _set_header(headers: Headers, name: str, value: str) -> None:
-    del headers[name]  # Headers is a multidict: replace, don't add a second value
+    if name in headers:
+        del headers[name]  # Headers is a multidict: replace, don't add a second value
     headers[name] = value
 
 

@@ -1,0 +1,496 @@
+"""transport.server with real websocket clients on 127.0.0.1: streaming, limits, auth, fuzzing, load.
+
+Most tests serve transport.echo_engine.EchoEngine (same events as the Engine, no model); the
+tests at the end serve the real default model when it is present and edgeinfer.engine exists.
+"""
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from transport import protocol as wire
+from transport.client import ServerError, connect
+from transport.echo_engine import EchoEngine, EchoRequest
+from transport.server import Server, ServerConfig
+
+TOKEN = "test-token-0123456789abcdef"
+
+
+def echo_request(request_id, prompt, prompt_token_ids, messages, params):
+    return EchoRequest(request_id, prompt, prompt_token_ids, messages, params)
+
+
+def run(coro, timeout_s: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+@asynccontextmanager
+async def echo_server(engine: EchoEngine | None = None, **config):
+    engine = engine or EchoEngine(token_delay_s=0.001)
+    async with Server(engine, ServerConfig(token=TOKEN, port=0, **config), echo_request, "echo") as server:
+        yield server
+
+
+async def wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def collect(stream) -> list[dict]:
+    return [event async for event in stream]
+
+
+def check_stream(events: list[dict]) -> str:
+    """One accepted, tokens, one done; returns the streamed text, which must equal done's text."""
+    assert events[0]["type"] == "accepted"
+    assert all(e["type"] == "token" for e in events[1:-1])
+    assert events[-1]["type"] == "done"
+    text = "".join(e["text"] for e in events[1:-1])
+    assert text == events[-1]["text"]
+    assert events[-1]["usage"]["completion_tokens"] == sum(len(e["token_ids"]) for e in events[1:-1])
+    return text
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_streams_tokens_in_json_and_msgpack(binary):
+    async def main():
+        async with echo_server() as server, connect(server.url, TOKEN, binary=binary) as client:
+            assert client.welcome["version"] == wire.PROTOCOL_VERSION and client.welcome["model"] == "echo"
+            events = await collect(client.generate("one two three", max_tokens=5))
+            assert check_stream(events) == "one two three one two"
+            assert [e["time_s"] for e in events[1:-1]] == sorted(e["time_s"] for e in events[1:-1])
+            done = events[-1]
+            assert done["finish_reason"] == "length" and done["ttft_s"] > 0 and done["kv_bytes"] > 0
+            events = await collect(client.chat([{"role": "user", "content": "hello chat"}], max_tokens=3))
+            assert check_stream(events) == "hello chat hello"
+
+    run(main())
+
+
+def test_requests_are_multiplexed_on_one_connection():
+    async def main():
+        async with echo_server() as server, connect(server.url, TOKEN) as client:
+            arrivals: list[str] = []
+
+            async def one(word: str) -> list[dict]:
+                events = []
+                async for event in client.generate(word, request_id=word, max_tokens=20):
+                    arrivals.append(event["id"])
+                    events.append(event)
+                return events
+
+            results = await asyncio.gather(*(one(w) for w in ("alpha", "beta", "gamma", "delta")))
+            for word, events in zip(("alpha", "beta", "gamma", "delta"), results, strict=True):
+                assert all(e["id"] == word for e in events)
+                assert check_stream(events) == " ".join([word] * 20)
+            # Interleaved, not one after the other: the first finisher ends after others began.
+            assert len(set(arrivals[:20])) > 1
+
+    run(main())
+
+
+def test_cancel_ends_the_stream_and_frees_the_engine():
+    async def main():
+        engine = EchoEngine(token_delay_s=0.005)
+        async with echo_server(engine) as server, connect(server.url, TOKEN) as client:
+            stream = client.generate("w", request_id="long", max_tokens=10_000)
+            events = []
+            async for event in stream:
+                events.append(event)
+                if len(events) == 5:
+                    await client.cancel("long")
+            assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "cancelled"
+            assert events[-1]["usage"]["completion_tokens"] >= 4
+            await wait_until(lambda: engine.num_free_blocks == engine.num_blocks and engine._running == 0)
+            await client.cancel("long")  # no longer in flight
+            err = await asyncio.wait_for(client.errors.get(), 5)
+            assert err["code"] == wire.UNKNOWN_ID and err["id"] == "long"
+            assert check_stream(await collect(client.generate("still works", max_tokens=2))) == "still works"
+
+    run(main())
+
+
+def test_disconnect_cancels_the_clients_requests():
+    async def main():
+        engine = EchoEngine(token_delay_s=0.005)
+        async with echo_server(engine) as server:
+            client = await connect(server.url, TOKEN)
+            streams = [client.generate("x", max_tokens=10_000) for _ in range(3)]
+            for stream in streams:
+                assert (await anext(stream))["type"] == "accepted"
+            await wait_until(lambda: engine._running == 3)
+            assert engine.num_free_blocks < engine.num_blocks
+            await client.ws.close()
+            await wait_until(lambda: engine.num_free_blocks == engine.num_blocks and engine._running == 0)
+            await wait_until(lambda: not server.connections)
+            for stream in streams:
+                await stream.aclose()
+
+    run(main())
+
+
+def test_leaving_a_stream_early_cancels_it():
+    async def main():
+        engine = EchoEngine(token_delay_s=0.005)
+        async with echo_server(engine) as server, connect(server.url, TOKEN) as client:
+            async for event in client.generate("x", max_tokens=10_000):
+                if event["type"] == "token":
+                    break
+            await wait_until(lambda: engine._running == 0 and engine.num_free_blocks == engine.num_blocks)
+            status = await client.status()
+            assert status["requests"] == [] and status["engine"]["kv_blocks_used"] == 0
+
+    run(main())
+
+
+def test_status_reports_requests_and_engine_kv_use():
+    async def main():
+        engine = EchoEngine(token_delay_s=0.01, max_running=1)
+        async with echo_server(engine) as server, connect(server.url, TOKEN) as client:
+            first = client.generate("a", request_id="first", max_tokens=1000)
+            second = client.generate("b", request_id="second", max_tokens=1000)
+            assert (await anext(first))["queue_position"] == 0
+            assert (await anext(second))["queue_position"] == 1
+            await anext(first)  # a token: running
+            status = await client.status()
+            rows = {r["id"]: r for r in status["requests"]}
+            assert rows["first"]["state"] == "running" and rows["second"]["state"] == "queued"
+            assert rows["second"]["queue_position"] == 1
+            assert status["engine"]["running"] == 1 and status["engine"]["waiting"] == 1
+            assert status["engine"]["kv_blocks_used"] > 0
+            one = await client.status("second")
+            assert [r["id"] for r in one["requests"]] == ["second"]
+            await first.aclose()
+            await second.aclose()
+
+    run(main())
+
+
+def test_wrong_or_missing_token_is_refused():
+    async def main():
+        async with echo_server() as server:
+            with pytest.raises(ServerError) as info:
+                await connect(server.url, "wrong-token-0123456789")
+            assert info.value.code == wire.UNAUTHORIZED
+            with pytest.raises(ServerError):
+                await connect(server.url, None)
+            async with ws_connect(server.url) as ws:  # the refusal also closes with 1008
+                await ws.send(json.dumps({"type": "hello", "version": "edgeinfer/1", "token": "nope"}))
+                assert json.loads(await ws.recv())["code"] == wire.UNAUTHORIZED
+                with pytest.raises(ConnectionClosed):
+                    await ws.recv()
+                assert ws.close_code == 1008
+            # The handshake can carry the token instead (header, or query for the web page)...
+            bearer = {"Authorization": f"Bearer {TOKEN}"}
+            async with connect(server.url, None, additional_headers=bearer) as c:
+                assert c.welcome["type"] == "welcome"
+            async with connect(server.url + f"?token={TOKEN}", None) as c:
+                assert c.welcome["type"] == "welcome"
+            # ...and a wrong one there fails the handshake itself.
+            with pytest.raises(InvalidStatus) as status:
+                await connect(server.url + "?token=wrong", None)
+            assert status.value.response.status_code == 401
+            assert server.counters["refused_token"] >= 3
+
+    run(main())
+
+
+def test_first_frame_must_be_hello():
+    async def main():
+        async with echo_server(hello_timeout_s=0.5) as server:
+            async with ws_connect(server.url) as ws:
+                await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": "x"}))
+                assert json.loads(await ws.recv())["code"] == wire.HELLO_REQUIRED
+                with pytest.raises(ConnectionClosed):
+                    await ws.recv()
+                assert ws.close_code == 1008
+            async with ws_connect(server.url) as ws:  # silent client: dropped after the hello timeout
+                assert json.loads(await ws.recv())["code"] == wire.HELLO_REQUIRED
+
+    run(main())
+
+
+def test_foreign_origin_and_rebinding_host_are_refused():
+    async def main():
+        async with echo_server() as server:
+            own = f"http://127.0.0.1:{server.port}"
+            async with connect(server.url, TOKEN, origin=own) as client:
+                assert client.welcome["type"] == "welcome"
+            for origin in ("http://evil.example", f"http://localhost:{server.port}", "null"):
+                with pytest.raises(InvalidStatus) as info:
+                    await connect(server.url, TOKEN, origin=origin)
+                assert info.value.response.status_code == 403
+            # DNS rebinding: evil.example resolving to 127.0.0.1 gives Host == Origin == evil.example.
+            status, _, _ = await http_get(server.port, "/", host=f"evil.example:{server.port}")
+            assert status == 403
+            assert server.counters["refused_origin"] == 3
+
+    run(main())
+
+
+async def http_get(port: int, path: str, host: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    host = host or f"127.0.0.1:{port}"
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_http_routes_health_metrics_and_page():
+    async def main():
+        async with echo_server() as server, connect(server.url, TOKEN) as client:
+            await collect(client.generate("a b", max_tokens=3))
+            status, _, body = await http_get(server.port, "/healthz")
+            assert (status, body) == (200, b"ok\n")
+            status, headers, body = await http_get(server.port, "/metrics")
+            assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = body.decode()
+            assert "edgeinfer_connections 1" in text and "edgeinfer_tokens_streamed_total 3" in text
+            assert "edgeinfer_engine_kv_blocks_free 4096" in text
+            status, headers, body = await http_get(server.port, "/")
+            assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
+            assert b"edgeinfer/1" in body and TOKEN.encode() not in body
+            assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
+            assert headers["X-Frame-Options"] == "DENY"
+            assert (await http_get(server.port, "/nope"))[0] == 404
+
+    run(main())
+
+
+def test_malformed_and_oversize_frames_are_answered_and_the_connection_survives():
+    async def main():
+        async with echo_server(max_frame_bytes=4096) as server, connect(server.url, TOKEN) as client:
+            bad = ["{oops", b"\xc1\xc1", "[]", '{"type": 3}', '{"type": "fly"}',
+                   '{"type": "cancel", "id": "a", "z": 1}',
+                   json.dumps({"type": "generate", "id": "big", "prompt": "x" * 5000}),
+                   json.dumps({"type": "generate", "id": "p", "prompt": "x", "params": {"top_k": -5}})]
+            codes = []
+            for frame in bad:
+                await client.ws.send(frame)
+                codes.append((await asyncio.wait_for(client.errors.get(), 5))["code"])
+            assert codes == [wire.BAD_FRAME, wire.BAD_FRAME, wire.BAD_FRAME, wire.INVALID_MESSAGE,
+                             wire.UNKNOWN_TYPE, wire.UNKNOWN_FIELD, wire.FRAME_TOO_LARGE, "invalid_params"]
+            assert check_stream(await collect(client.generate("alive", max_tokens=2))) == "alive alive"
+            # Far past the limit the frame is unusable: websockets closes with 1009 (message too big).
+            other = await connect(server.url, TOKEN)
+            with pytest.raises(ConnectionClosed):
+                await other.ws.send("x" * (4096 * 4 + 1))
+                await other.ws.recv()
+            assert other.ws.close_code == 1009
+            assert check_stream(await collect(client.generate("still", max_tokens=2))) == "still still"
+
+    run(main())
+
+
+def test_per_connection_limits_and_duplicate_ids():
+    async def main():
+        async with echo_server(max_requests_per_connection=2) as server, connect(server.url, TOKEN) as client:
+            a = client.generate("a", request_id="a", max_tokens=10_000)
+            b = client.generate("b", request_id="b", max_tokens=10_000)
+            await anext(a)
+            await anext(b)
+            await client.send({"type": "generate", "id": "a", "prompt": "again"})  # the Client itself won't
+            async for event in a:  # the error names request "a", so it arrives on a's stream
+                if event["type"] == "error":
+                    assert event["code"] == wire.DUPLICATE_ID
+                    break
+            events = await collect(client.generate("c", request_id="c", max_tokens=1))
+            assert events == [{"type": "error", "id": "c", "code": wire.TOO_MANY_REQUESTS,
+                               "message": "at most 2 requests in flight per connection"}]
+            await a.aclose()
+            await b.aclose()
+
+    run(main())
+
+
+def test_connection_limit():
+    async def main():
+        async with echo_server(max_connections=2) as server:
+            async with connect(server.url, TOKEN), connect(server.url, TOKEN):
+                with pytest.raises(InvalidStatus) as info:
+                    await connect(server.url, TOKEN)
+                assert info.value.response.status_code == 503
+            await wait_until(lambda: not server.connections)
+            async with connect(server.url, TOKEN) as client:
+                assert client.welcome["type"] == "welcome"
+
+    run(main())
+
+
+def test_overloaded_engine_answers_with_retry_hint():
+    async def main():
+        engine = EchoEngine(token_delay_s=0.01, max_running=1, max_waiting=1)
+        async with echo_server(engine) as server, connect(server.url, TOKEN) as client:
+            first = client.generate("a", max_tokens=1000)
+            second = client.generate("b", max_tokens=1000)
+            await anext(first)
+            await anext(second)
+            events = await collect(client.generate("c", max_tokens=1))
+            assert events[0]["code"] == "overloaded" and events[0]["retry_after_s"] > 0
+            await first.aclose()
+            await second.aclose()
+
+    run(main())
+
+
+def test_slow_reader_is_cancelled_without_stalling_others():
+    async def main():
+        engine = EchoEngine(token_delay_s=0.0002)
+        async with echo_server(engine, send_queue_frames=64) as server:
+            word = "z" * 2000  # big frames fill the socket buffers quickly
+            # A raw connection that never reads: with max_queue=1 its library stops reading the socket.
+            slow = await ws_connect(server.url, max_queue=1, compression=None)
+            await slow.send(json.dumps({"type": "hello", "version": wire.PROTOCOL_VERSION, "token": TOKEN}))
+            await slow.send(json.dumps({"type": "generate", "id": "slow", "prompt": word,
+                                        "params": {"max_tokens": 50_000}}))
+            fast = await connect(server.url, TOKEN)
+            started = time.monotonic()
+            events = await collect(fast.generate("quick", max_tokens=200))
+            assert check_stream(events) and time.monotonic() - started < 10
+            await wait_until(lambda: engine._running == 0, timeout_s=20)  # the slow request was cancelled
+            assert engine.num_free_blocks == engine.num_blocks
+            # The slow client, reading at last, finds its tokens and then the explanation.
+            last = None
+            async for frame in slow:
+                last = wire.decode_event(frame)
+                if last["type"] in ("done", "error"):
+                    break
+            assert last["code"] == wire.SLOW_READER and last["id"] == "slow"
+            assert server.counters["error:slow_reader"] == 1
+            await slow.close()
+            await fast.close()
+
+    run(main(), timeout_s=60)
+
+
+def test_drain_lets_in_flight_requests_finish():
+    async def main():
+        engine = EchoEngine(token_delay_s=0.002)
+        server = Server(engine, ServerConfig(token=TOKEN, port=0, drain_timeout_s=10), echo_request)
+        await server.__aenter__()
+        url = server.url
+        client = await connect(url, TOKEN)
+        stream = client.generate("d", max_tokens=200)
+        await anext(stream)
+        drain = asyncio.create_task(server.drain())
+        await wait_until(lambda: server.draining)
+        rest = await collect(stream)
+        assert rest[-1]["type"] == "done" and rest[-1]["finish_reason"] == "length"
+        await drain
+        with pytest.raises(OSError):
+            await connect(url, TOKEN)
+
+    run(main())
+
+
+class _FuzzTarget:
+    """One running server and one connection shared by every hypothesis example (bounded count)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        config = ServerConfig(token=TOKEN, port=0, max_frame_bytes=2048)
+        self.server = Server(EchoEngine(token_delay_s=0.0), config, echo_request)
+        self.loop.run_until_complete(self.server.__aenter__())
+        self.client = self.loop.run_until_complete(connect(self.server.url, TOKEN))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.run_until_complete(self.server.drain(0))
+        self.loop.close()
+
+
+frame_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=15)
+frames = (
+    st.binary(max_size=300)
+    | st.text(max_size=300)
+    | st.fixed_dictionaries({"type": st.sampled_from(["generate", "chat", "cancel", "status", "hello", "x"])},
+                            optional={"id": st.text(max_size=5) | st.integers(), "prompt": frame_values,
+                                      "messages": frame_values, "params": frame_values,
+                                      "prompt_token_ids": st.lists(st.integers(-5, 2**32), max_size=4),
+                                      "extra": frame_values}).map(json.dumps)
+    | st.dictionaries(st.text(max_size=10), frame_values, max_size=5).map(msgpack.packb)
+)
+
+
+def test_fuzzed_frames_never_break_the_server():
+    target = _FuzzTarget()
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(frame=frames)
+    def check(frame):
+        async def exchange():
+            await target.client.ws.send(frame)
+            # Whatever the frame did, the connection still answers a status request.
+            status = await target.client.status()
+            assert status["type"] == "status"
+
+        target.loop.run_until_complete(asyncio.wait_for(exchange(), 10))
+
+    try:
+        check()
+        async def finish():
+            # Streams the fuzzer started finish or are cancelled; the server still serves fresh clients.
+            for row in (await target.client.status())["requests"]:
+                await target.client.cancel(row["id"])
+            async with connect(target.server.url, TOKEN) as fresh:
+                assert check_stream(await collect(fresh.generate("after fuzz", max_tokens=3)))
+            await wait_until(lambda: target.server.engine._running == 0)
+
+        target.loop.run_until_complete(asyncio.wait_for(finish(), 20))
+    finally:
+        target.close()
+
+
+def test_load_64_clients_stream_exactly_the_engines_tokens():
+    """64 clients x 32 tokens: every request completes (or is clearly overloaded), nothing lost."""
+    num_clients, num_tokens = 64, 32
+
+    async def main():
+        engine = EchoEngine(token_delay_s=0.002, max_running=32, max_waiting=16)
+        prompts = [f"client{i} says w{i % 7} v{i % 5}" for i in range(num_clients)]
+        expected = {p: engine.answer_words(EchoRequest("x", p)) for p in prompts}
+        async with echo_server(engine) as server:
+            async def one(prompt: str) -> tuple[str, list[dict]]:
+                async with connect(server.url, TOKEN, binary=prompt.endswith("0")) as client:
+                    stream = client.generate(prompt, max_tokens=num_tokens, temperature=0)
+                    return prompt, await collect(stream)
+
+            started = time.monotonic()
+            results = await asyncio.gather(*(one(p) for p in prompts))
+            elapsed = time.monotonic() - started
+        completed = overloaded = 0
+        for prompt, events in results:
+            if events[-1]["type"] == "error":
+                assert events[-1]["code"] == "overloaded" and events[-1]["retry_after_s"] > 0
+                overloaded += 1
+                continue
+            words = expected[prompt]
+            want = [words[i % len(words)] for i in range(num_tokens)]
+            assert [e["text"].strip() for e in events[1:-1]] == want  # none lost, duplicated or reordered
+            check_stream(events)
+            completed += 1
+        assert completed + overloaded == num_clients and completed >= 48
+        assert engine.num_free_blocks == engine.num_blocks and engine._running == 0
+        assert elapsed < 30
+
+    run(main(), timeout_s=60)
