@@ -1,0 +1,204 @@
+"""The `edgeinfer` command: pull, generate, chat, bench, serve, daemon, quantize, eval-ppl.
+
+Each subcommand parses its flags here and calls into the package; nothing else reads argv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
+
+if TYPE_CHECKING:
+    from edgeinfer.loader import LoadedModel
+    from edgeinfer.model_runner import ModelRunner
+    from edgeinfer.models.llama import LlamaModel
+
+
+def _model_path(arg: str | None) -> Path:
+    from edgeinfer.pull import default_model_path, pull
+
+    if arg:
+        return Path(arg)
+    path = default_model_path()
+    return path if path.is_file() else pull()
+
+
+def _runtime_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file, HF folder or edgeinfer checkpoint (default: the pulled default model)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
+                   help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
+    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _runtime(args: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
+                         num_threads=args.threads)
+
+
+def _load(args: argparse.Namespace) -> tuple[LoadedModel, LlamaModel]:
+    from edgeinfer.llm import build_model
+    from edgeinfer.loader import load_model
+
+    loaded = load_model(_model_path(args.model))
+    return loaded, build_model(loaded, _runtime(args))
+
+
+def _runner(args: argparse.Namespace, model: LlamaModel, num_tokens: int) -> ModelRunner:
+    from edgeinfer.llm import single_stream_runner
+
+    if num_tokens > model.config.max_position:
+        raise ValueError(f"prompt_too_long: {num_tokens} tokens (prompt + new) exceed the model's context "
+                         f"of {model.config.max_position}")
+    return single_stream_runner(model, _runtime(args), num_tokens)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from edgeinfer.pull import pull
+
+    print(pull())
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from edgeinfer.llm import generate_tokens
+    from edgeinfer.sampling_params import SamplingParams
+    from edgeinfer.stop import StopChecker
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    loaded, model = _load(args)
+    tok = loaded.tokenizer
+    text = args.prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt_ids = tok.encode(text, add_special=args.no_chat)
+    runner = _runner(args, model, len(prompt_ids) + params.max_tokens)
+    eos = tuple(loaded.config.eos_token_ids)
+    checker = StopChecker(params, eos)
+    detok = tok.detokenizer()
+    for token in generate_tokens(runner, prompt_ids, params, eos):
+        out, reason = checker.push(token, detok.push(token))
+        sys.stdout.write(out)
+        sys.stdout.flush()
+        if reason:
+            break
+    sys.stdout.write(checker.flush() + "\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from edgeinfer.llm import generate_tokens
+    from edgeinfer.model_runner import SeqChunk
+    from edgeinfer.sampling_params import SamplingParams
+
+    loaded, model = _load(args)
+    runner = _runner(args, model, args.prompt_tokens + args.new_tokens + 1)
+    corpus = Path(args.text)
+    ids = loaded.tokenizer.encode(corpus.read_text()[: args.prompt_tokens * 8]) if corpus.is_file() else []
+    ids = (ids or list(range(100, 100 + args.prompt_tokens)))[: args.prompt_tokens]
+    table = tuple(range(runner.pool.num_blocks))
+    runner.logits([SeqChunk(tuple(ids[:16]), 0, table)])  # warm-up: first-call allocations
+    start = time.perf_counter()
+    runner.logits([SeqChunk(tuple(ids), 0, table)])
+    prefill_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
+    stream = generate_tokens(runner, ids, params)
+    next(stream)  # the first token comes from a prefill; decode timing starts after it
+    start = time.perf_counter()
+    decoded = sum(1 for _ in stream)
+    decode_s = time.perf_counter() - start
+    result = {
+        "prompt_tokens": len(ids),
+        "new_tokens": decoded,
+        "prefill_tok_s": round(len(ids) / prefill_s, 1),
+        "decode_tok_s": round(decoded / decode_s, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "linear_path": runner.model.linear_path,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}: {value}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from transport.cli import chat_main
+
+    return chat_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Subcommands implemented elsewhere take their own argv.
+    if argv and argv[0] in ("quantize", "eval-ppl", "serve", "daemon"):
+        if argv[0] in ("quantize", "eval-ppl"):
+            from quant import cli as quant_cli
+
+            run = quant_cli.quantize_main if argv[0] == "quantize" else quant_cli.eval_ppl_main
+        else:
+            from transport import cli as transport_cli
+
+            run = transport_cli.serve_main if argv[0] == "serve" else transport_cli.daemon_main
+        return run(argv[1:])
+
+    parser = argparse.ArgumentParser(prog="edgeinfer", description="Quantized LLM inference at the edge.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("pull", help="fetch the default model into the cache").set_defaults(func=cmd_pull)
+
+    gen = sub.add_parser("generate", help="complete one prompt; prints only the completion")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    _runtime_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="time prefill and greedy decode")
+    bench.add_argument("--prompt-tokens", type=int, default=256)
+    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"),
+                       help="text the prompt is cut from (falls back to synthetic ids)")
+    bench.add_argument("--json", action="store_true")
+    _runtime_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    chat = sub.add_parser("chat", help="streaming chat in the terminal (uses the daemon when it runs)")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    _runtime_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    for name, helptext in (("serve", "websocket server"), ("daemon", "background server: start|stop|status|logs"),
+                           ("quantize", "convert a model to an edgeinfer checkpoint"),
+                           ("eval-ppl", "perplexity of a model on a text")):
+        sub.add_parser(name, help=helptext, add_help=False)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"edgeinfer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
