@@ -166,7 +166,7 @@ def test_status_reports_requests_and_engine_kv_use():
             rows = {r["id"]: r for r in status["requests"]}
             assert rows["first"]["state"] == "running" and rows["second"]["state"] == "queued"
             assert rows["second"]["queue_position"] == 1
-            assert status["engine"]["running"] == 1 and status["engine"]["waiting"] == 1
+            assert status["engine"]["num_running"] == 1 and status["engine"]["num_waiting"] == 1
             assert status["engine"]["kv_blocks_used"] > 0
             one = await client.status("second")
             assert [r["id"] for r in one["requests"]] == ["second"]

@@ -41,7 +41,7 @@ class EchoRequest:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    params: SamplingParams = field(default_factory=SamplingParams)
 
 
 class EchoTokenizer:
@@ -77,10 +77,10 @@ class EchoEngine:
         return None
 
     def stats(self) -> dict[str, Any]:
-        return {"running": self._running, "waiting": len(self._waiting),
+        return {"num_running": self._running, "num_waiting": len(self._waiting),
                 "kv_blocks_total": self.num_blocks, "kv_blocks_free": self.num_free_blocks,
                 "kv_blocks_used": self.num_blocks - self.num_free_blocks,
-                "generated_tokens_total": self._tokens_total}
+                "num_generated_tokens": self._tokens_total}
 
     def answer_words(self, request: Any) -> list[str]:
         """The words the echo engine answers with (before cycling to max_tokens)."""
@@ -93,7 +93,7 @@ class EchoEngine:
         return source.split() or ["..."]
 
     async def generate(self, request: Any) -> AsyncIterator[Event]:
-        params: SamplingParams = request.sampling_params
+        params: SamplingParams = request.params
         rid = request.request_id
         arrival = time.monotonic()
         try:

@@ -88,7 +88,7 @@ def engine_request_factory(request_id: str, prompt: str | None, prompt_token_ids
     from edgeinfer.engine import GenerateRequest  # the real engine only when one is served
 
     return GenerateRequest(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                           messages=messages, sampling_params=params)
+                           messages=messages, params=params)
 
 
 def stats_dict(stats: Any) -> dict[str, Any]:

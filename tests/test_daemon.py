@@ -1,0 +1,148 @@
+"""`edgeinfer daemon` end to end with the echo engine: start/status/stop, a second start refused,
+a stale state file recovered, SIGTERM draining an in-flight request; and the chat REPL over it."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from transport import auth, daemon
+from transport.chat import RemoteChat, chat_repl, open_chat_backend
+from transport.client import connect
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    env = {**os.environ, daemon.STATE_ENV: str(tmp_path / "state"), auth.CONFIG_ENV: str(tmp_path / "config"),
+           "PYTHONPATH": str(ROOT)}
+    monkeypatch.setenv(daemon.STATE_ENV, env[daemon.STATE_ENV])
+    monkeypatch.setenv(auth.CONFIG_ENV, env[auth.CONFIG_ENV])
+    yield env
+    subprocess.run([sys.executable, "-m", "transport.cli", "daemon", "stop", "--timeout", "5"], env=env,
+                   capture_output=True, timeout=30)
+
+
+def cli(env, *args, timeout=60):
+    cmd = [sys.executable, "-m", "transport.cli", "daemon", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_start_status_stop_cycle(dirs, tmp_path):
+    started = cli(dirs, "start", "--echo", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    state = daemon.running()
+    assert state is not None and f"pid {state.pid}" in started.stdout and state.model == "echo"
+    assert daemon.healthy(state)
+    token_file = tmp_path / "config" / "token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+
+    status = cli(dirs, "status")
+    assert status.returncode == 0 and "running" in status.stdout
+    assert f"#token={token_file.read_text().strip()}" in status.stdout
+
+    second = cli(dirs, "start", "--echo", "--port", "0")
+    assert second.returncode == 1 and "already running" in second.stderr and str(state.pid) in second.stderr
+
+    stopped = cli(dirs, "stop")
+    assert stopped.returncode == 0 and f"stopped (pid {state.pid})" in stopped.stdout
+    assert daemon.running() is None and not (tmp_path / "state" / daemon.STATE_FILE).exists()
+    assert cli(dirs, "status").returncode == 3
+    logs = cli(dirs, "logs")
+    assert "serving echo" in logs.stdout and "stopped" in logs.stdout
+
+
+def test_stale_state_file_is_recovered(dirs, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs, as after kill -9 or a crash
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / daemon.STATE_FILE).write_text(json.dumps({"pid": dead.pid, "host": "127.0.0.1", "port": 1}))
+    assert cli(dirs, "status").returncode == 3  # the lock is free: not running
+    (state_dir / daemon.STATE_FILE).write_text(json.dumps({"pid": dead.pid, "host": "127.0.0.1", "port": 1}))
+    started = cli(dirs, "start", "--echo", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    assert "stale" in started.stderr
+    assert daemon.running().pid != dead.pid
+
+
+def test_sigterm_drains_in_flight_requests(dirs):
+    assert cli(dirs, "start", "--echo", "--port", "0").returncode == 0
+    state = daemon.running()
+
+    async def main():
+        async with connect(state.url, auth.load_or_create_token()) as client:
+            stream = client.generate("draining", max_tokens=100)  # 10 ms a token: about 1 s
+            assert (await anext(stream))["type"] == "accepted"
+            stopping = asyncio.create_task(asyncio.to_thread(cli, dirs, "stop"))
+            events = [event async for event in stream]
+            assert events[-1]["type"] == "done" and events[-1]["finish_reason"] == "length"
+            assert len(events) == 101
+            assert (await stopping).returncode == 0
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert daemon.running() is None
+
+
+def test_chat_repl_uses_the_daemon(dirs):
+    assert cli(dirs, "start", "--echo", "--port", "0").returncode == 0
+
+    async def lines():
+        for line in ("hello there", "/reset", "again please", None):
+            yield line
+
+    async def main():
+        out: list[str] = []
+        async with open_chat_backend(None, None) as backend:
+            assert isinstance(backend, RemoteChat) and "daemon" in backend.description
+            assert await chat_repl(backend, {"max_tokens": 4}, lines(), out.append) == 0
+        text = "".join(out)
+        assert "hello there hello there" in text and "again please again please" in text
+        assert "(conversation cleared)" in text and "tok/s" in text
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_chat_repl_stop_keeps_the_partial_answer():
+    class SlowBackend:
+        description = "fake"
+
+        def __init__(self):
+            self.seen = []
+
+        async def stream(self, messages, params):
+            self.seen.append(list(messages))
+            for i in range(1000):
+                await asyncio.sleep(0.01)
+                yield {"type": "token", "id": "x", "text": f"t{i} ", "token_ids": [i]}
+
+    async def main():
+        backend = SlowBackend()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def lines():
+            while True:
+                yield await queue.get()
+
+        def on_answer(task):
+            if task is not None:
+                asyncio.get_running_loop().call_later(0.1, task.cancel)  # Ctrl-C after a few tokens
+
+        out: list[str] = []
+        repl = asyncio.create_task(chat_repl(backend, {}, lines(), out.append, on_answer))
+        await queue.put("first")
+        await asyncio.sleep(0.3)
+        await queue.put("second")
+        await asyncio.sleep(0.3)
+        await queue.put(None)
+        assert await repl == 0
+        assert out.count(" [stopped]\n") == 2
+        first_answer = backend.seen[1][1]
+        assert first_answer["role"] == "assistant" and first_answer["content"].startswith("t0 t1 ")
+
+    asyncio.run(asyncio.wait_for(main(), 10))

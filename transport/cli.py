@@ -1,0 +1,170 @@
+"""Flags of `edgeinfer serve`, `edgeinfer daemon ...` and `edgeinfer chat`; nothing else reads argv.
+
+edgeinfer.cli calls `serve_main(argv)`, `daemon_main(argv)` and `chat_main(args)`; the daemon's
+background process runs `python -m transport.cli serve ... --daemon-state DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
+from transport import auth, daemon
+from transport.server import ServerConfig
+
+DEFAULT_PORT = 8765
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF file or checkpoint (default: the pulled default model)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS)
+    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _serve_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Websocket server (edgeinfer/1), web chat page.")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    _model_args(p)
+    p.add_argument("--echo", action="store_true", help="serve the model-free echo engine (testing clients)")
+    p.add_argument("--max-connections", type=int, default=128)
+    p.add_argument("--max-requests-per-connection", type=int, default=16)
+    p.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    p.add_argument("--allow-origin", action="append", default=[], help="extra browser Origin to allow")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--daemon-state", help=argparse.SUPPRESS)  # set by `edgeinfer daemon start`
+    return p
+
+
+def _model_path(arg: str | None) -> str:
+    if arg:
+        return arg
+    from edgeinfer.pull import default_model_path, pull
+
+    path = default_model_path()
+    return str(path if path.is_file() else pull())
+
+
+def _runtime(args: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
+                         num_threads=args.threads)
+
+
+def serve_main(argv: list[str]) -> int:
+    from transport.service import ServiceConfig, run_service
+
+    args = _serve_parser("edgeinfer serve").parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose or args.daemon_state else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # websockets logs every HTTP response and close at INFO
+        logging.getLogger("edgeinfer.server.ws").setLevel(logging.WARNING)
+    try:
+        server = ServerConfig(token=auth.load_or_create_token(), host=args.host, port=args.port,
+                              max_connections=args.max_connections,
+                              max_requests_per_connection=args.max_requests_per_connection,
+                              max_frame_bytes=args.max_frame_bytes, drain_timeout_s=args.drain_timeout,
+                              allowed_origins=tuple(args.allow_origin))
+        config = ServiceConfig(server, None if args.echo else _model_path(args.model), _runtime(args),
+                               echo=args.echo, state_dir=args.daemon_state)
+        return asyncio.run(run_service(config))
+    except (ValueError, OSError, RuntimeError) as exc:  # bad flags, port in use, token file, daemon lock
+        print(f"edgeinfer serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def daemon_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edgeinfer daemon", description="The server in the background.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    start = sub.add_parser("start", help="start in the background (same flags as `edgeinfer serve`)",
+                           add_help=False)
+    start.add_argument("--wait", type=float, default=180.0, help="seconds to wait for the model to load")
+    stop = sub.add_parser("stop", help="stop, letting in-flight requests finish")
+    stop.add_argument("--timeout", type=float, default=40.0)
+    sub.add_parser("status", help="is it running, where, and the chat page URL")
+    logs = sub.add_parser("logs", help="print the log")
+    logs.add_argument("-n", "--lines", type=int, default=50)
+    logs.add_argument("-f", "--follow", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    directory = daemon.state_dir()
+    try:
+        if args.action == "start":
+            _serve_parser("edgeinfer daemon start").parse_args(rest)  # bad flags fail here, not in the log
+            state = daemon.start(rest, directory, timeout_s=args.wait)
+            log_path = directory / daemon.LOG_FILE
+            print(f"edgeinfer daemon started: pid {state.pid}, {state.url}, log {log_path}")
+            return 0
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.action == "stop":
+            state = daemon.stop(directory, timeout_s=args.timeout)
+            print("edgeinfer daemon: not running" if state is None
+                  else f"edgeinfer daemon stopped (pid {state.pid})")
+            return 0
+        if args.action == "status":
+            return _status(directory)
+        log_path = directory / daemon.LOG_FILE
+        print(daemon.tail(log_path, args.lines))
+        if args.follow:
+            daemon.follow(log_path)
+        return 0
+    except daemon.DaemonError as exc:
+        print(f"edgeinfer daemon: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _status(directory: Path) -> int:
+    state = daemon.running(directory)
+    if state is None:
+        print("edgeinfer daemon: not running")
+        return 3  # LSB status code: program is not running
+    health = "healthy" if daemon.healthy(state) else "not answering /healthz"
+    print(f"edgeinfer daemon: running, pid {state.pid}, {state.url}, model {state.model}, {health}")
+    # The page URL carries the token in its fragment: printed only to this user's terminal.
+    print(f"chat page: {state.http}/#token={auth.load_or_create_token()}")
+    return 0
+
+
+def chat_main(args: argparse.Namespace) -> int:
+    """`edgeinfer chat` (flags parsed by edgeinfer.cli: max_tokens, temperature and model flags)."""
+    from transport.chat import chat_repl, open_chat_backend, read_lines
+
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    use_daemon = not getattr(args, "no_daemon", False)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        main_task = asyncio.current_task()
+        answering: list[asyncio.Task[str]] = []
+
+        def on_sigint() -> None:  # stop the answer if one streams, else quit
+            (answering[0] if answering else main_task).cancel()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        model = None if daemon.running() and use_daemon else _model_path(args.model)
+        async with open_chat_backend(model, _runtime(args), use_daemon) as backend:
+            def on_answer(task: asyncio.Task[str] | None) -> None:
+                answering[:] = [task] if task is not None else []
+
+            return await chat_repl(backend, params, read_lines(), on_answer=on_answer)
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        print()
+        return 130
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("serve", "daemon"):
+        sys.exit((serve_main if sys.argv[1] == "serve" else daemon_main)(sys.argv[2:]))
+    sys.exit("usage: python -m transport.cli serve|daemon ...")

@@ -1,0 +1,86 @@
+"""The server as a process: open the engine, load the token, listen, drain on SIGTERM/SIGINT.
+
+`run_service` is what `edgeinfer serve` and the daemon's background process run. In daemon mode
+(a state dir given) it also holds the state dir's lock for its whole life and publishes where it
+listens (daemon.json, written atomically once the socket is bound, removed on a clean exit), so
+`edgeinfer daemon status` and `edgeinfer chat` can find it; see transport.daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edgeinfer.config import RuntimeConfig
+from transport import auth, daemon
+from transport.echo_engine import EchoEngine, EchoRequest
+from transport.server import RequestFactory, Server, ServerConfig, engine_request_factory
+
+log = logging.getLogger("edgeinfer.service")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    server: ServerConfig
+    model_path: str | None  # None with echo
+    runtime: RuntimeConfig = RuntimeConfig()
+    echo: bool = False  # serve transport.echo_engine instead of a model
+    state_dir: str | None = None  # daemon mode
+
+
+def echo_request_factory(request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...] | None,
+                         messages: tuple[dict[str, str], ...] | None, params: Any) -> EchoRequest:
+    return EchoRequest(request_id, prompt, prompt_token_ids, messages, params)
+
+
+@contextlib.asynccontextmanager
+async def open_engine(model_path: str | None, runtime: RuntimeConfig,
+                      echo: bool = False) -> AsyncIterator[tuple[Any, RequestFactory, str]]:
+    """(engine, request factory, model name), started; the echo engine needs no model."""
+    if echo:
+        async with EchoEngine(token_delay_s=0.01) as engine:
+            yield engine, echo_request_factory, "echo"
+        return
+    from edgeinfer.engine import Engine, EngineConfig  # loads torch: only when a model is served
+
+    assert model_path is not None, "a model path is required unless echo is set"
+    async with Engine(EngineConfig(str(model_path), runtime)) as engine:
+        yield engine, engine_request_factory, Path(model_path).name
+
+
+async def run_service(config: ServiceConfig) -> int:
+    state_dir = Path(config.state_dir) if config.state_dir else None
+    lock = daemon.acquire_lock(state_dir) if state_dir else None  # raises DaemonError if one runs
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        log.info("loading %s", "the echo engine" if config.echo else config.model_path)
+        async with open_engine(config.model_path, config.runtime, config.echo) as (engine, factory, name):
+            async with Server(engine, config.server, factory, name) as server:
+                if state_dir is not None:
+                    daemon.write_state(state_dir, daemon.DaemonState(
+                        pid=os.getpid(), host=config.server.host, port=server.port, model=name))
+                print(f"edgeinfer: serving {name} on {server.url}; chat page "
+                      f"http://{config.server.host}:{server.port}/#token=<token in {auth.token_path()}>",
+                      flush=True)
+                await stop.wait()
+                log.info("stopping: draining in-flight requests (up to %g s)", config.server.drain_timeout_s)
+                await server.drain()
+        log.info("stopped")
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if state_dir is not None:
+            daemon.clear_state(state_dir)
+        if lock is not None:
+            lock.close()
