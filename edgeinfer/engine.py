@@ -63,7 +63,6 @@ class Engine:
         self._scheduler_config = config.scheduler
         self._max_model_len = config.runtime.max_model_len
         self.error: BaseException | None = None  # why the actors stopped, if they failed
-        self._closed = False
 
     @classmethod
     def from_runner(cls, runner: StepRunner, tokenizer: Any, model_config: ModelConfig,
@@ -114,7 +113,10 @@ class Engine:
         if exc is not None:
             self._tg.cancel_scope.cancel()  # the body failed or was cancelled: do not drain
         # Not handed the body's exception: it propagates as itself, not wrapped in a group.
-        await self._tg.__aexit__(None, None, None)
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            self._model_actor.close()
 
     async def _supervise(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -128,7 +130,6 @@ class Engine:
             log.error("engine actors failed; the engine is closed", exc_info=exc)
             self.error = exc
         finally:
-            self._closed = True
             self._submit.close()
 
     def generate(self, request: GenerateRequest) -> RequestStream:

@@ -3,8 +3,9 @@
 Writers: the actor's worker thread is the one writer of the KV pool (through the model runner's
 forward and `copy_blocks`) and of the sampler's random generator. A StepPlan arrives by value;
 the actor copies the blocks it names, runs one forward over every chunk, samples the rows that
-ask for it and replies a StepResult by value. Steps run one at a time in a worker thread
-(CapacityLimiter(1)) so the event loop keeps serving clients during a forward pass.
+ask for it and replies a StepResult by value. Steps run one at a time on one dedicated thread
+(CUDA's current device, streams and graphs are per-thread state), awaited from an anyio worker
+so the event loop keeps serving clients during a forward pass.
 
 Also here: building a runner from a loaded model, and sizing its KV pool from a memory budget
 measured at start (CUDA: free device memory after the weights are loaded; CPU: available RAM).
@@ -13,6 +14,7 @@ measured at start (CUDA: free device memory after the weights are loaded; CPU: a
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import anyio
@@ -57,10 +59,17 @@ class ModelActor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._generator = torch.Generator().manual_seed(seed)  # unseeded requests draw from it
-        self._limiter = anyio.CapacityLimiter(1)  # one step at a time, one worker thread
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeinfer-model")
+        self._limiter = anyio.CapacityLimiter(1)  # one step in flight
 
     async def handle(self, plan: StepPlan) -> StepResult:
-        return await anyio.to_thread.run_sync(self.execute, plan, limiter=self._limiter)
+        # Not abandoned on cancellation: the step finishes before the actor goes, so nothing
+        # touches the pool after the engine has closed.
+        future = self._thread.submit(self.execute, plan)
+        return await anyio.to_thread.run_sync(future.result, limiter=self._limiter)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
