@@ -8,7 +8,8 @@ Which format each weight gets (``target_format``):
   model's bytes and the most sensitive matrix) are int8 group 32 for the int8/int4/nf4 targets
   and fp16/bf16 for those targets;
 - every other 2-D weight (the attention and MLP projections) gets ``--weights`` and its group
-  size (int4: 32, nf4: 64, int8: one scale per output row, unless ``--group-size``).
+  size (int4: 32, nf4: 64, int8: one scale per output row, unless ``--group-size``); where
+  the group does not divide K, the largest smaller one that does (reported per weight).
 
 A weight already in its target format (GGUF Q4_0/Q4_1 -> int4 g32, Q8_0 -> int8 g32) is copied
 bit for bit; anything else is dequantized to fp32 and quantized again, round-to-nearest, or with
@@ -249,6 +250,17 @@ def dense(weight: Weight) -> torch.Tensor:
     return weight.dequantize(torch.float32) if isinstance(weight, QuantizedTensor) else weight.float()
 
 
+def effective_group(group_size: int | None, k: int) -> int:
+    """``group_size`` if it divides K, else the largest smaller allowed group that does (the default
+    model's K=576 takes g64 where g128 was asked); None means one group per row."""
+    if group_size is None:
+        return k
+    for group in sorted((g for g in GROUP_SIZES if g <= group_size), reverse=True):
+        if k % group == 0:
+            return group
+    raise ModelFileError(f"no group size <= {group_size} divides K={k}; choose another --group-size")
+
+
 def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
     """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged."""
     if fmt == "keep":
@@ -257,12 +269,9 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
         if not isinstance(weight, QuantizedTensor) and weight.dtype == _PLAIN[fmt]:
             return weight
         return dense(weight).to(_PLAIN[fmt])
-    k = weight.shape[1]
-    group = group_size or k
+    group = effective_group(group_size, weight.shape[1])
     if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group:
         return weight
-    if k % group:
-        raise ModelFileError(f"group size {group} does not divide K={k}; choose another --group-size")
     w = dense(weight)
     if fmt == "int4":
         return quantize_int4(w, group)
@@ -377,7 +386,7 @@ def _calibrated_layer(
         if hessian is None or fmt not in ("int4", "int8"):
             news[name] = convert_weight(old, fmt, group)
         else:
-            news[name] = gptq_quantize(dense(old), hessian, fmt, group or old.shape[1])
+            news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]))
         return news[name]
 
     calibrator.run_layer(names[0][: _LAYER.match(names[0]).end()], quantize)

@@ -327,3 +327,13 @@ def test_quantize_int4_reference_is_what_convert_uses() -> None:
     w = tiny_weights()["model.layers.0.mlp.up_proj.weight"]
     a, b = convert_weight(w, "int4", 32), quantize_int4(w, 32)
     assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+
+
+def test_group_size_falls_back_where_it_does_not_divide_k() -> None:
+    from quant.convert import effective_group
+
+    assert effective_group(128, 1536) == 128
+    assert effective_group(128, 576) == 64  # the default model's hidden size
+    assert effective_group(None, 576) == 576
+    w = torch.randn(8, 576)
+    assert convert_weight(w, "int4", 128).group_size == 64

