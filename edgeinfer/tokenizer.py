@@ -39,7 +39,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             keep.append(b)
             chars.append(256 + n)
             n += 1
-    return dict(zip(keep, (chr(c) for c in chars)))
+    return dict(zip(keep, (chr(c) for c in chars), strict=True))
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -87,7 +87,9 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         model_type = meta.get("ggml.model")
         if model_type != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {model_type!r}; edgeinfer reads 'gpt2' (byte-level BPE)")
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {model_type!r}; edgeinfer reads 'gpt2' (byte-level BPE)"
+            )
         tokens: list[str] = list(meta["ggml.tokens"])
         vocab = {tok: i for i, tok in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta.get("ggml.merges", [])]

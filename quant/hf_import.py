@@ -57,7 +57,9 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in folder.glob("*.bin"))
-        hint = f" (found {pickles}: pickle checkpoints are never loaded; convert them to safetensors)" if pickles else ""
+        hint = ""
+        if pickles:
+            hint = f" (found {pickles}: pickle checkpoints are never loaded; convert them to safetensors)"
         raise ModelFileError(f"{folder} has no .safetensors weights{hint}")
     weights: dict[str, torch.Tensor] = {}
     for file in files:

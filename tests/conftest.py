@@ -25,7 +25,8 @@ def default_model_path():  # noqa: ANN201
     """The default GGUF, pulled into the cache if missing ($EDGEINFER_TEST_MODEL overrides)."""
     from pathlib import Path
 
-    from edgeinfer.pull import PullError, default_model_path as cached, pull
+    from edgeinfer.pull import PullError, pull
+    from edgeinfer.pull import default_model_path as cached
 
     override = os.environ.get("EDGEINFER_TEST_MODEL")
     if override:
