@@ -1,5 +1,7 @@
 """GGUF import: a .gguf file -> (ModelConfig, weights by HF name, tokenizer metadata).
 
+The container is parsed by quant.gguf_reader; this module maps names, types and layouts.
+
 Q4_0 / Q4_1 become int4 group-32 QuantizedTensors and Q8_0 becomes int8 group-32, bit for bit
 (the fp16 block scales are kept as fp16). F32/F16/BF16 stay as they are. Any other type is
 dequantized by the gguf package and returned in fp32, with a warning naming it.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,8 @@ import numpy as np
 import torch
 
 from edgeinfer.config import ModelConfig
-from quant.formats import QuantizedTensor, pack_int4
+from quant.formats import QuantizedTensor
+from quant.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, open_gguf
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +74,11 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
-def read_config(reader: Any) -> ModelConfig:
+def read_config(reader: GGUFFile) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(
@@ -113,11 +114,11 @@ def read_config(reader: Any) -> ModelConfig:
     )
 
 
-def read_tokenizer_metadata(reader: Any) -> dict[str, Any]:
+def read_tokenizer_metadata(reader: GGUFFile) -> dict[str, Any]:
     meta = {}
-    for field_name in reader.fields:
+    for field_name, value in reader.metadata.items():
         if field_name.startswith("tokenizer."):
-            meta[field_name.removeprefix("tokenizer.")] = _field(reader, field_name)
+            meta[field_name.removeprefix("tokenizer.")] = value
     if "ggml.tokens" not in meta:
         raise ModelFileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     return meta
@@ -135,13 +136,14 @@ def _q4_blocks(raw: np.ndarray, n: int, k: int, has_min: bool) -> QuantizedTenso
     else:
         m = (-8.0 * d.astype(np.float32)).astype(np.float16)
         qs = blocks[..., 2:]
-    q = torch.from_numpy(np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, k))
+    elements = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # (n, k // 32, 32) in order
+    packed = (elements[..., 0::2] | (elements[..., 1::2] << 4)).reshape(n, k // 2)  # pack_int4's layout
     scales = torch.from_numpy(d.copy())
     mins = torch.from_numpy(m.copy())
     if not has_min:
         # -8 * d in fp16 can round; keep it exact in fp32 instead.
         mins = -8.0 * scales.float()
-    return QuantizedTensor("int4", (n, k), Q4_BLOCK, pack_int4(q), scales, mins)
+    return QuantizedTensor("int4", (n, k), Q4_BLOCK, torch.from_numpy(packed), scales, mins)
 
 
 def _q8_blocks(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
@@ -151,16 +153,18 @@ def _q8_blocks(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
     return QuantizedTensor("int8", (n, k), Q4_BLOCK, torch.from_numpy(q), torch.from_numpy(d.copy()))
 
 
-def convert_tensor(tensor: Any) -> Weight:
+def convert_tensor(tensor: TensorInfo, raw: np.ndarray) -> Weight:
+    """One tensor's raw bytes -> a torch tensor or QuantizedTensor (see the module docstring)."""
     from gguf import GGMLQuantizationType as T
     from gguf import dequantize
 
     # GGUF lists dims fastest-first; torch wants (rows, cols).
-    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
-    raw = np.asarray(tensor.data)
-    kind = tensor.tensor_type
-    if kind in (T.F32, T.F16):
-        return torch.from_numpy(raw.copy()).reshape(shape)
+    shape = tuple(reversed(tensor.shape))
+    kind = T(tensor.ggml_type)
+    if kind == T.F32:
+        return torch.from_numpy(raw.view(np.float32).copy()).reshape(shape)
+    if kind == T.F16:
+        return torch.from_numpy(raw.view(np.float16).copy()).reshape(shape)
     if kind == T.BF16:
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(shape)
     if len(shape) == 2 and kind in (T.Q4_0, T.Q4_1, T.Q8_0):
@@ -169,7 +173,7 @@ def convert_tensor(tensor: Any) -> Weight:
             return _q8_blocks(raw, n, k)
         return _q4_blocks(raw, n, k, has_min=kind == T.Q4_1)
     log.warning("tensor %s has GGUF type %s: dequantized to fp32", tensor.name, kind.name)
-    return torch.from_numpy(dequantize(raw, kind).astype(np.float32)).reshape(shape)
+    return torch.from_numpy(dequantize(raw.reshape(shape[0], -1), kind).astype(np.float32)).reshape(shape)
 
 
 def unpermute_rope_rows(w: Weight, num_heads: int) -> Weight:
@@ -186,14 +190,12 @@ def unpermute_rope_rows(w: Weight, num_heads: int) -> Weight:
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     """Read a GGUF file; errors name the file and what is wrong with it."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, OSError, KeyError) as exc:
+        reader = open_gguf(path)
+    except (GGUFFormatError, UnicodeDecodeError, OSError, struct.error) as exc:
         raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
     config = read_config(reader)
     weights: dict[str, Weight] = {}
@@ -203,7 +205,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
             log.info("ignoring GGUF tensor %s", tensor.name)
             continue
         try:
-            weight = convert_tensor(tensor)
+            weight = convert_tensor(tensor, reader.read(tensor))
         except ValueError as exc:
             raise ModelFileError(f"{path}: tensor {tensor.name} is damaged: {exc}") from exc
         if name.endswith("q_proj.weight"):

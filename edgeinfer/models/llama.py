@@ -107,8 +107,9 @@ class LlamaModel:
         self._head_exact: Weight | None = None
         if head_format == "int4" and not (isinstance(head, QuantizedTensor) and head.format == "int4"):
             self._head_exact = head if isinstance(head, QuantizedTensor) else head.to(self.device, torch.float32)
-            dense = head.dequantize() if isinstance(head, QuantizedTensor) else head.float()
-            head = quantize_int4(dense, 32)
+            # Row chunks: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB.
+            rows = torch.arange(head.shape[0])
+            head = concat_rows([quantize_int4(_rows(head, chunk), 32) for chunk in rows.split(4096)])
         self.head = prep(head)
         self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         self._cos, self._sin = self._rope_tables(c.max_position)
