@@ -70,6 +70,8 @@ class RuntimeConfig:
     kv_memory_fraction: float = 0.25  # of available memory, when num_kv_blocks is None
     kv_memory_bytes: int | None = None  # overrides the fraction
     max_model_len: int | None = None  # cap on context length; None: the model's own
+    cuda_graphs: bool = False  # replay pure-decode steps as CUDA graphs (CUDA only; ignored on the CPU)
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode batches padded up to the nearest
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -88,6 +90,12 @@ class RuntimeConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        object.__setattr__(self, "graph_batch_sizes", tuple(self.graph_batch_sizes))
+        if not self.graph_batch_sizes or any(
+            not isinstance(b, int) or b <= 0 for b in self.graph_batch_sizes
+        ):
+            raise ValueError(f"graph_batch_sizes must be a non-empty tuple of positive ints, "
+                             f"got {self.graph_batch_sizes}")
 
     @property
     def key_dtype(self) -> str:

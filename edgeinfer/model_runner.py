@@ -4,6 +4,10 @@ Owned by the model actor (or a direct caller such as tests): it holds the LlamaM
 KV pool and is the only code that touches either. Each step is a list of SeqChunk: a sequence's
 new token ids, the position of the first one, and its block table (decided by the block
 manager, never here).
+
+With ``graph_batch_sizes`` on a CUDA model, pure-decode steps that fit replay CUDA graphs
+(edgeinfer.cuda_graphs, captured on the first such step, on the calling thread); prefill and
+mixed steps, and every step on the CPU, run eagerly.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgeinfer.cuda_graphs import DecodeGraphs
 from edgeinfer.models.llama import BatchMeta, LlamaModel
 from kernels.kv_pool import KVPool
 
@@ -68,12 +73,34 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
 class ModelRunner:
     """The model and its KV pool; runs steps."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: KVPool,
+        block_size: int,
+        graph_batch_sizes: tuple[int, ...] = (),
+        max_blocks_per_seq: int | None = None,
+    ) -> None:
+        """``graph_batch_sizes`` (RuntimeConfig.graph_batch_sizes when cuda_graphs is on) turns
+        on decode graphs for a CUDA model; ``max_blocks_per_seq`` bounds the block tables they
+        take (default: the model's context or the whole pool, whichever is smaller)."""
         self.model = model
         self.pool = pool
         self.block_size = block_size
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch_sizes and model.device.type == "cuda":
+            if max_blocks_per_seq is None:
+                max_blocks_per_seq = min(pool.num_blocks, -(-model.config.max_position // block_size))
+            self.graphs = DecodeGraphs(model, pool, block_size, graph_batch_sizes, max_blocks_per_seq)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs now (else the first decode step does); no-op without them."""
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """fp32 logits (sum of num_logits, vocab) in chunk order."""
+        if self.graphs is not None and self.graphs.fits(chunks):
+            return self.graphs.run(chunks)
         token_ids, meta = build_batch(chunks, self.block_size, self.model.device)
         return self.model.forward(token_ids, meta, self.pool)
