@@ -121,8 +121,11 @@ class LlamaModel:
 
     def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = torch.outer(torch.arange(length, dtype=torch.float64), self._inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (length, head_dim), rotate-half layout
-        return emb.cos().float().to(self.device), emb.sin().float().to(self.device)
+        # rotate_half(x) * sin == roll(x, half) * signed_sin with the first half negated: the
+        # sign lives in the table so RoPE is three ops per step for q and k together.
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (length, head_dim)
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return cos.float().to(self.device), signed_sin.float().to(self.device)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return _rows(self.embed, token_ids)
@@ -136,11 +139,9 @@ class LlamaModel:
         exact = torch.einsum("lh,lrh->lr", h.float(), rows)
         return logits.scatter_(-1, top, exact)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: (T, heads, head_dim); cos/sin: (T, 1, head_dim)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # x: (T, heads, head_dim); cos/signed_sin: (T, 1, head_dim)
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
@@ -150,14 +151,15 @@ class LlamaModel:
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         scale = c.head_dim ** -0.5
+        num_qk_heads = c.num_heads + c.num_kv_heads
         cos = self._cos[batch.positions].unsqueeze(1)
         sin = self._sin[batch.positions].unsqueeze(1)
         h = self.embed_tokens(token_ids)  # (T, hidden)
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            qkv = linear(x, layer.qkv)
-            q = self._rope(qkv[:, :q_size].view(num_tokens, c.num_heads, c.head_dim), cos, sin)
-            k = self._rope(qkv[:, q_size:q_size + kv_size].view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            qkv = linear(x, layer.qkv)  # (T, (Hq + 2 Hkv) * D)
+            qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, c.head_dim), cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
             kv.write(index, k, v, batch.slot_mapping)
             if batch.is_decode:
