@@ -81,9 +81,12 @@ async def read_lines() -> AsyncIterator[str | None]:
     """stdin lines without blocking the loop; a daemon thread, so exiting never waits on input()."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[str | None] = asyncio.Queue()
+    wanted = threading.Event()  # prompt only when the REPL asks, not while an answer streams
 
     def reader() -> None:
         while True:
+            wanted.wait()
+            wanted.clear()
             try:
                 line: str | None = input("\n> ")
             except (EOFError, KeyboardInterrupt):
@@ -94,6 +97,7 @@ async def read_lines() -> AsyncIterator[str | None]:
 
     threading.Thread(target=reader, daemon=True, name="chat-input").start()
     while True:
+        wanted.set()
         yield await queue.get()
 
 
