@@ -28,7 +28,7 @@ from kernels.kv_quant import (
     dequantize_kv,
     kv_bytes_per_element,
 )
-from kernels.paged_attention import write_kv_cache, write_kv_cache_reference
+from kernels.paged_attention import write_kv_cache_reference
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,12 @@ class KVPool:
                              f"{tuple(slot_mapping.shape)} must agree on T")
         if use_triton is None:
             use_triton = self.device.type == "cuda"
-        write = write_kv_cache if use_triton else write_kv_cache_reference
-        write(k, v, slot_mapping, self.k_caches[layer], self.v_caches[layer])
+        if use_triton:
+            from kernels.paged_attention_triton import write_kv_cache
+
+            write_kv_cache(k, v, slot_mapping, self.k_caches[layer], self.v_caches[layer])
+        else:
+            write_kv_cache_reference(k, v, slot_mapping, self.k_caches[layer], self.v_caches[layer])
 
     def gather(
         self, layer: int, block_ids: torch.Tensor, dtype: torch.dtype = torch.float32
