@@ -50,7 +50,7 @@ def _load(args: argparse.Namespace) -> tuple[LoadedModel, LlamaModel]:
     from edgeinfer.loader import load_model
 
     loaded = load_model(_model_path(args.model))
-    return loaded, build_model(loaded, _runtime(args))
+    return loaded, build_model(loaded, _runtime(args), take_weights=True)
 
 
 def _runner(args: argparse.Namespace, model: LlamaModel, num_tokens: int) -> ModelRunner:
@@ -137,8 +137,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return chat_main(args)
 
 
+def _return_large_frees_to_the_os() -> None:
+    """glibc raises its mmap threshold after large frees, so per-call prefill buffers (a
+    dequantized weight, ~7 MB) then stay in the heap and RSS creeps up by ~100 MB. A fixed 1 MiB
+    threshold returns them at once; measured: peak RSS of `bench` 492 -> 434 MB."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _return_large_frees_to_the_os()
     # Subcommands implemented elsewhere take their own argv.
     if argv and argv[0] in ("quantize", "eval-ppl", "serve", "daemon"):
         if argv[0] in ("quantize", "eval-ppl"):

@@ -30,14 +30,17 @@ def resolve_device(runtime: RuntimeConfig) -> torch.device:
     return torch.device(runtime.device)
 
 
-def build_model(loaded: LoadedModel, runtime: RuntimeConfig) -> LlamaModel:
+def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool = False) -> LlamaModel:
+    """``take_weights`` empties ``loaded.weights`` as it converts them (halves peak memory); pass it
+    when the loaded checkpoint is not used again."""
     device = resolve_device(runtime)
     if runtime.num_threads:
         torch.set_num_threads(runtime.num_threads)
     path = resolve_path(runtime.linear_path, device)
     # The quantized head with exact refinement only pays on the CPU int4 path.
     head_format = "int4" if path == "int4_cpu" else "same"
-    return LlamaModel(loaded.config, loaded.weights, linear_path=path, device=device, head_format=head_format)
+    return LlamaModel(loaded.config, loaded.weights, linear_path=path, device=device, head_format=head_format,
+                      take_weights=take_weights)
 
 
 def single_stream_runner(model: LlamaModel, runtime: RuntimeConfig, max_tokens: int) -> ModelRunner:

@@ -22,12 +22,11 @@ import psutil
 import torch
 
 from edgeinfer.config import RuntimeConfig
+from edgeinfer.llm import build_model
 from edgeinfer.loader import LoadedModel
 from edgeinfer.messages import StepPlan, StepResult
 from edgeinfer.model_runner import ModelRunner, SeqChunk
-from edgeinfer.models.llama import LlamaModel
 from edgeinfer.sampler import SamplingBatch, sample
-from kernels.dispatch import resolve_path
 from kernels.kv_pool import KVPool, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
@@ -126,14 +125,8 @@ def num_kv_blocks(runtime: RuntimeConfig, bytes_per_block: int, device: torch.de
 
 def build_runner(loaded: LoadedModel, runtime: RuntimeConfig) -> ModelRunner:
     """Prepare the weights for the runtime's device and path, then size and allocate the pool."""
-    device = torch.device("cuda" if runtime.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if runtime.device == "auto" else runtime.device)
-    if runtime.num_threads is not None:
-        torch.set_num_threads(runtime.num_threads)
-    path = resolve_path(runtime.linear_path, device)
-    head_format = "int4" if path == "int4_cpu" else "same"
-    c = loaded.config
-    model = LlamaModel(c, loaded.weights, linear_path=path, device=device, head_format=head_format)
+    model = build_model(loaded, runtime, take_weights=True)
+    device, path, c = model.device, model.linear_path, loaded.config
     bytes_per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
                                          runtime.key_dtype, runtime.value_dtype)
     # Measured after the weights are on the device, so the budget is what is really left.

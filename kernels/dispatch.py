@@ -4,7 +4,9 @@ Paths:
 - ``int4_cpu``: torch's int4 weight-only CPU kernel (``_weight_int4pack_mm_for_cpu``, bf16
   activations) for thin M (decode); for M >= ``PREFILL_M`` the weight is dequantized to fp32 per
   call and run through the fp32 GEMM, which is ~2x the int4 kernel's FLOP/s at prefill shapes on
-  AVX2 (measured: 106 vs 45 GFLOP/s at M=256). int8 weights and plain tensors use fp32 GEMM.
+  AVX2 (measured: 106 vs 45 GFLOP/s at M=256). The dequantization reads torch's packed bytes
+  directly (layout probed once, see ``_packed_block_n``), so only one copy of the weight is kept.
+  int8 weights and plain tensors use fp32 GEMM.
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
 - ``reference``: dequantize to fp32 and matmul in fp32; exact, the oracle for the tests.
 
@@ -14,6 +16,7 @@ that rounding is the only difference from the reference.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,7 @@ from quant.formats import QuantizedTensor, unpack_int4
 
 PREFILL_M = 32
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it
+_PACK_CHUNK_ROWS = 4096  # a multiple of every packing block width
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class PreparedLinear:
     packed: torch.Tensor | None = None  # int4_cpu: torch's packed layout
     scales_and_zeros: torch.Tensor | None = None  # int4_cpu: bf16 (K // group, N, 2)
     kernel: object | None = None  # triton: the kernel module's prepared weight
+    group_size: int = 0  # int4_cpu
+    block_n: int | None = None  # int4_cpu: row-block width of the packed layout
 
     @property
     def nbytes(self) -> int:
@@ -71,12 +77,52 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: to
 
 def _prepare_int4_cpu(weight: QuantizedTensor) -> PreparedLinear:
     assert weight.mins is not None
-    q = unpack_int4(weight.qweight).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+    block_n = _packed_block_n()
+    # Row chunks (whole packing blocks) keep the int32 staging copy small: 113 MB for the
+    # default model's head in one go.
+    chunk = _PACK_CHUNK_ROWS if block_n else weight.shape[0]
+    packed = torch.cat([
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(rows).to(torch.int32), _INNER_K_TILES)
+        for rows in weight.qweight.split(chunk)
+    ])
     scales = weight.scales.float()
     zeros = weight.mins.float() + 8 * scales
     scales_and_zeros = torch.stack((scales.t(), zeros.t()), dim=-1).contiguous().to(torch.bfloat16)
-    return PreparedLinear("int4_cpu", weight.shape, weight, packed=packed, scales_and_zeros=scales_and_zeros)
+    # Keep the QuantizedTensor only where the packed bytes cannot be read back (unknown layout).
+    source = weight if block_n is None or weight.shape[0] % block_n else None
+    return PreparedLinear("int4_cpu", weight.shape, source, packed=packed, scales_and_zeros=scales_and_zeros,
+                          group_size=weight.group_size, block_n=block_n)
+
+
+@functools.cache
+def _packed_block_n() -> int | None:
+    """Row-block width of torch's CPU int4 packing, or None if it is not the layout we read.
+
+    The packer stores rows in blocks of B (32 on AVX2, 64 with AVX-512): byte [b, k, i] holds
+    q[b*B + i, k] in its low nibble and q[b*B + i + B/2, k] in its high nibble. Probed once on a
+    random matrix rather than assumed, since it depends on how torch was built.
+    """
+    q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES).reshape(-1)
+    for block_n in (32, 64, 16, 8):
+        x = q.view(128 // block_n, block_n, 64).permute(0, 2, 1)
+        if torch.equal((x[..., : block_n // 2] | (x[..., block_n // 2 :] << 4)).to(torch.uint8).reshape(-1), packed):
+            return block_n
+    return None
+
+
+def _dequantize_packed_t(weight: PreparedLinear) -> torch.Tensor:
+    """W.T (K, N) in fp32 from torch's packed bytes: w = (q - 8) * scale + zero per group."""
+    n, k = weight.shape
+    block_n = weight.block_n
+    packed = weight.packed.view(n // block_n, k, block_n // 2)
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1)  # (N / B, K, B)
+    groups = k // weight.group_size
+    w_t = q.permute(1, 0, 2).reshape(groups, weight.group_size, n).float()  # (K / group, group, N)
+    sz = weight.scales_and_zeros.float()  # (K / group, N, 2)
+    scales, zeros = sz[:, None, :, 0], sz[:, None, :, 1]
+    # In place: one fp32 copy of the weight per call, which matters for peak RSS at prefill.
+    return w_t.sub_(8).mul_(scales).add_(zeros).view(k, n)
 
 
 def _prepare_triton(weight: QuantizedTensor, device: torch.device) -> PreparedLinear:
@@ -108,11 +154,13 @@ def linear(x: torch.Tensor, weight: PreparedLinear) -> torch.Tensor:
     path = weight.path
     if path in ("dense", "reference"):
         y = x2.float() @ weight.dense.t()
-    elif path == "int4_cpu" and m < PREFILL_M:
+    elif path == "int4_cpu" and (m < PREFILL_M or weight.source is not None):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.to(torch.bfloat16), weight.packed, weight.source.group_size, weight.scales_and_zeros
+            x2.to(torch.bfloat16), weight.packed, weight.group_size, weight.scales_and_zeros
         ).float()
-    elif path in ("int4_cpu", "dequantize"):
+    elif path == "int4_cpu":
+        y = x2.float() @ _dequantize_packed_t(weight)
+    elif path == "dequantize":
         y = x2.float() @ weight.source.dequantize(torch.float32).t()
     elif path == "triton":
         y = _triton_linear(x2, weight.kernel)

@@ -135,12 +135,14 @@ def main() -> int:
         return 0
     base = rows.get("llama.cpp")
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} greedy decode steps, {args.threads} threads")
-    print(f"| engine | prefill tok/s | decode tok/s | peak RSS MB |{' vs llama.cpp (prefill / decode / RSS) |' if base else ''}")
+    extra = " vs llama.cpp (prefill / decode / RSS) |" if base else ""
+    print(f"| engine | prefill tok/s | decode tok/s | peak RSS MB |{extra}")
     print(f"|---|---|---|---|{'---|' if base else ''}")
     for name, r in rows.items():
         ratio = ""
         if base:
-            ratio = (f" {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x / {r['decode_tok_s'] / base['decode_tok_s']:.2f}x"
+            ratio = (f" {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x"
+                     f" / {r['decode_tok_s'] / base['decode_tok_s']:.2f}x"
                      f" / {r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x |")
         print(f"| {name} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | {r['peak_rss_mb']:.0f} |{ratio}")
     return 0

@@ -73,7 +73,10 @@ class LlamaModel:
         linear_path: str = "auto",
         device: str | torch.device = "cpu",
         head_format: str = "same",
+        take_weights: bool = False,
     ) -> None:
+        """``take_weights`` pops each tensor from ``weights`` once converted, so the caller's dict
+        does not hold a second copy of the model while the prepared one is built."""
         if head_format not in ("same", "int4"):
             raise ValueError(f"head_format must be 'same' or 'int4', got {head_format!r}")
         self.config = config
@@ -81,10 +84,11 @@ class LlamaModel:
         self.linear_path = resolve_path(linear_path, self.device)
         c = config
         prep = lambda w: prepare_linear(w, self.linear_path, self.device)  # noqa: E731
+        get = weights.pop if take_weights else weights.__getitem__
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            w = lambda name: weights[p + name + ".weight"]  # noqa: E731,B023
+            w = lambda name: get(p + name + ".weight")  # noqa: E731,B023
             self.layers.append(_Layer(
                 input_norm=self._dense(w("input_layernorm")),
                 qkv=prep(_fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
@@ -93,8 +97,10 @@ class LlamaModel:
                 gate_up=prep(_fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
                 down=prep(w("mlp.down_proj")),
             ))
-        self.norm = self._dense(weights["model.norm.weight"])
-        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = self._dense(get("model.norm.weight"))
+        embed = get("model.embed_tokens.weight")
+        head = embed if c.tie_word_embeddings else get("lm_head.weight")
+        self.embed = embed
         if isinstance(self.embed, QuantizedTensor):
             self.embed = QuantizedTensor(
                 self.embed.format, self.embed.shape, self.embed.group_size,
@@ -103,7 +109,6 @@ class LlamaModel:
             )
         else:
             self.embed = self.embed.to(self.device)
-        head = weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
         self._head_exact: Weight | None = None
         if head_format == "int4" and not (isinstance(head, QuantizedTensor) and head.format == "int4"):
             self._head_exact = head if isinstance(head, QuantizedTensor) else head.to(self.device, torch.float32)
