@@ -301,6 +301,12 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
+def _dump_partial(args: argparse.Namespace, name: str, copy_bw: float, rows: list[dict]) -> None:
+    if args.json_out:
+        partial = {"device": name, "copy_GB/s": copy_bw / 1e9, "partial": True, "rows": rows}
+        Path(args.json_out).write_text(json.dumps(partial, indent=1))
+
+
 def check_targets(rows: list[dict], device: torch.device) -> list[dict]:
     """The issue's three targets, from the rows measured (absent rows: not checked)."""
     if device.type != "cuda":
@@ -374,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             config = loaded.config
             del loaded
             _reset_peak(device)
+            _dump_partial(args, name, copy_bw, rows)  # a run cut short by a time limit keeps what it had
         if not args.no_peers:
             args.current_weights = "-"
             for engine, dtype, bnb4 in peer_engines(device):
@@ -382,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:  # a peer that cannot run is reported, not fatal
                     print(f"{engine} on {shape} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 _reset_peak(device)
+                _dump_partial(args, name, copy_bw, rows)
     for r in rows:
         peer = next((p for p in rows if p["model"] == r["model"] and p["batch"] == r["batch"]
                      and p["engine"] in ("hf-fp16", "hf-fp32")), None)
