@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from edgeinfer.models.llama import LlamaModel
 
 
-def _model_path(arg: str | None) -> Path:
+def model_path(arg: str | None) -> Path:
+    """--model, else the default model (pulled if missing)."""
     from edgeinfer.pull import default_model_path, pull
 
     if arg:
@@ -31,7 +32,8 @@ def _model_path(arg: str | None) -> Path:
     return path if path.is_file() else pull()
 
 
-def _runtime_args(p: argparse.ArgumentParser) -> None:
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """The model and runtime flags every model-running subcommand shares."""
     p.add_argument("--model", help="GGUF file, HF folder or edgeinfer checkpoint (default: the pulled default model)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
@@ -40,7 +42,7 @@ def _runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
 
 
-def _runtime(args: argparse.Namespace) -> RuntimeConfig:
+def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                          num_threads=args.threads)
 
@@ -49,8 +51,8 @@ def _load(args: argparse.Namespace) -> tuple[LoadedModel, LlamaModel]:
     from edgeinfer.llm import build_model
     from edgeinfer.loader import load_model
 
-    loaded = load_model(_model_path(args.model))
-    return loaded, build_model(loaded, _runtime(args), take_weights=True)
+    loaded = load_model(model_path(args.model))
+    return loaded, build_model(loaded, runtime_config(args), take_weights=True)
 
 
 def _runner(args: argparse.Namespace, model: LlamaModel, num_tokens: int) -> ModelRunner:
@@ -59,7 +61,7 @@ def _runner(args: argparse.Namespace, model: LlamaModel, num_tokens: int) -> Mod
     if num_tokens > model.config.max_position:
         raise ValueError(f"prompt_too_long: {num_tokens} tokens (prompt + new) exceed the model's context "
                          f"of {model.config.max_position}")
-    return single_stream_runner(model, _runtime(args), num_tokens)
+    return single_stream_runner(model, runtime_config(args), num_tokens)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
-    _runtime_args(gen)
+    add_runtime_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="time prefill and greedy decode")
@@ -189,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"),
                        help="text the prompt is cut from (falls back to synthetic ids)")
     bench.add_argument("--json", action="store_true")
-    _runtime_args(bench)
+    add_runtime_args(bench)
     bench.set_defaults(func=cmd_bench)
 
     chat = sub.add_parser("chat", help="streaming chat in the terminal (uses the daemon when it runs)")
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
-    _runtime_args(chat)
+    add_runtime_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     for name, helptext in (("serve", "websocket server"), ("daemon", "background server: start|stop|status|logs"),

@@ -13,26 +13,18 @@ import signal
 import sys
 from pathlib import Path
 
-from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
+from edgeinfer.cli import add_runtime_args, model_path, runtime_config
 from transport import auth, daemon
 from transport.server import ServerConfig
 
 DEFAULT_PORT = 8765
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file or checkpoint (default: the pulled default model)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
-    p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS)
-    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES)
-    p.add_argument("--threads", type=int, default=None)
-
-
 def _serve_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Websocket server (edgeinfer/1), web chat page.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
-    _model_args(p)
+    add_runtime_args(p)
     p.add_argument("--echo", action="store_true", help="serve the model-free echo engine (testing clients)")
     p.add_argument("--max-connections", type=int, default=128)
     p.add_argument("--max-requests-per-connection", type=int, default=16)
@@ -42,20 +34,6 @@ def _serve_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--daemon-state", help=argparse.SUPPRESS)  # set by `edgeinfer daemon start`
     return p
-
-
-def _model_path(arg: str | None) -> str:
-    if arg:
-        return arg
-    from edgeinfer.pull import default_model_path, pull
-
-    path = default_model_path()
-    return str(path if path.is_file() else pull())
-
-
-def _runtime(args: argparse.Namespace) -> RuntimeConfig:
-    return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
-                         num_threads=args.threads)
 
 
 def serve_main(argv: list[str]) -> int:
@@ -72,7 +50,7 @@ def serve_main(argv: list[str]) -> int:
                               max_requests_per_connection=args.max_requests_per_connection,
                               max_frame_bytes=args.max_frame_bytes, drain_timeout_s=args.drain_timeout,
                               allowed_origins=tuple(args.allow_origin))
-        config = ServiceConfig(server, None if args.echo else _model_path(args.model), _runtime(args),
+        config = ServiceConfig(server, None if args.echo else str(model_path(args.model)), runtime_config(args),
                                echo=args.echo, state_dir=args.daemon_state)
         return asyncio.run(run_service(config))
     except (ValueError, OSError, RuntimeError) as exc:  # bad flags, port in use, token file, daemon lock
@@ -150,8 +128,8 @@ def chat_main(args: argparse.Namespace) -> int:
             (answering[0] if answering else main_task).cancel()
 
         loop.add_signal_handler(signal.SIGINT, on_sigint)
-        model = None if daemon.running() and use_daemon else _model_path(args.model)
-        async with open_chat_backend(model, _runtime(args), use_daemon) as backend:
+        model = None if daemon.running() and use_daemon else str(model_path(args.model))
+        async with open_chat_backend(model, runtime_config(args), use_daemon) as backend:
             def on_answer(task: asyncio.Task[str] | None) -> None:
                 answering[:] = [task] if task is not None else []
 
