@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     chat = sub.add_parser("chat", help="streaming chat in the terminal (uses the daemon when it runs)")
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--no-daemon", action="store_true", help="run the engine in this process even if a daemon runs")
     add_runtime_args(chat)
     chat.set_defaults(func=cmd_chat)
 

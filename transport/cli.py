@@ -117,7 +117,7 @@ def chat_main(args: argparse.Namespace) -> int:
     from transport.chat import chat_repl, open_chat_backend, read_lines
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    use_daemon = not getattr(args, "no_daemon", False)
+    use_daemon = not args.no_daemon
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
