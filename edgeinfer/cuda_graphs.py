@@ -108,25 +108,31 @@ def decode_forward(
     """LlamaModel.forward for a decode batch with no host sync: logits (S, vocab) fp32.
 
     Mirrors LlamaModel.forward line for line (its decode branch), passing ``max_context_len``
-    to attention instead of reading it back from the device.
+    (an upper bound: the graphs' block-table capacity) to attention on CUDA instead of reading
+    the longest context back from the device.
     """
     c = model.config
     num_tokens = token_ids.shape[0]
     q_size = c.num_heads * c.head_dim
     kv_size = c.num_kv_heads * c.head_dim
     scale = c.head_dim ** -0.5
+    num_qk_heads = c.num_heads + c.num_kv_heads
+    # The Triton kernel takes an upper bound (partitions past a row's context are skipped); the
+    # torch path reads it as the exact longest context (its one-sequence path cuts K/V to it),
+    # and off CUDA there is no graph to keep sync-free.
+    bound = max_context_len if token_ids.is_cuda else None
     cos = model._cos[batch.positions].unsqueeze(1)  # (T, 1, head_dim)
-    sin = model._sin[batch.positions].unsqueeze(1)
+    sin = model._sin[batch.positions].unsqueeze(1)  # signed sine table, see LlamaModel._rope_tables
     h = model.embed_tokens(token_ids)  # (T, hidden)
     for index, layer in enumerate(model.layers):
         x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-        qkv = linear(x, layer.qkv)
-        q = model._rope(qkv[:, :q_size].view(num_tokens, c.num_heads, c.head_dim), cos, sin)
-        k = model._rope(qkv[:, q_size:q_size + kv_size].view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+        qkv = linear(x, layer.qkv)  # (T, (Hq + 2 Hkv) * D)
+        qk = model._rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, c.head_dim), cos, sin)
+        q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
         v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
         kv.write(index, k, v, batch.slot_mapping)
         attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
-                                      max_context_len=max_context_len)
+                                      max_context_len=bound)
         h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o)
         x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
         gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)

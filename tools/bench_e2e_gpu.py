@@ -215,6 +215,7 @@ def hf_model(c: ModelConfig, dtype: torch.dtype, device: torch.device, bnb4: boo
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
+    model.to(dtype)  # a no-op unless this transformers version initialises in its own dtype
     if bnb4:
         _to_bnb4(model, device)
     return model.eval()
