@@ -16,10 +16,15 @@ from edgeinfer.config import RuntimeConfig
 from edgeinfer.loader import LoadedModel
 from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.sampler import SamplingBatch, sample
+from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
 from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.speculative import AdaptiveK, propose_ngram, verify_greedy, verify_sampled
 from kernels.dispatch import resolve_path
 from kernels.kv_pool import KVPool
+
+# Single-token matches draft too eagerly in free text (measured acceptance 0.08); two tokens of
+# context keep the drafts that prompt lookup is for.
+NGRAM_MIN = 2
 
 
 def resolve_device(runtime: RuntimeConfig) -> torch.device:
@@ -58,29 +63,76 @@ def generate_tokens(
     params: SamplingParams,
     eos_token_ids: tuple[int, ...] = (),
     prefill_chunk: int | None = None,
+    speculative: bool = False,
 ) -> Iterator[int]:
     """Yield sampled token ids for one sequence until max_tokens, EOS or a stop token id.
-    Stop strings are the caller's business (edgeinfer.stop.StopChecker)."""
-    num_blocks = runner.pool.num_blocks
-    capacity = num_blocks * runner.block_size
+    Stop strings are the caller's business (edgeinfer.stop.StopChecker).
+
+    ``speculative`` drafts tokens by prompt lookup (n-grams of the context) and verifies them in
+    one forward with the standard rejection rule, so greedy output is unchanged and sampled
+    output keeps the target distribution. Requests with penalties decode plainly: their
+    distribution changes with every accepted token. Drafted K/V slots past the accepted tokens
+    are simply overwritten by the next step (slots are by position)."""
+    capacity = runner.pool.num_blocks * runner.block_size
     if len(prompt_ids) + params.max_tokens > capacity:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds "
                          f"the pool's {capacity} slots")
-    table = tuple(range(num_blocks))
+    table = tuple(range(runner.pool.num_blocks))
     vocab = runner.model.config.vocab_size
-    output: list[int] = []
     chunk = prefill_chunk or len(prompt_ids)
-    start = 0
-    while start < len(prompt_ids):  # chunked prefill: only the last chunk's logits matter
-        ids = tuple(prompt_ids[start:start + chunk])
-        logits = runner.logits([SeqChunk(ids, start, table)])
-        start += len(ids)
+    for start in range(0, len(prompt_ids), chunk):  # chunked prefill: only the last chunk's logits matter
+        logits = runner.logits([SeqChunk(tuple(prompt_ids[start:start + chunk]), start, table)])
+    penalised = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
+    speculative = speculative and not penalised
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    output: list[int] = []
+    controller = AdaptiveK()
+
+    def finished() -> bool:
+        return len(output) >= params.max_tokens or (output[-1] in stops and len(output) > params.min_tokens)
+
+    token = int(sample(logits, SamplingBatch.from_params([params], [prompt_ids], [output], vocab,
+                                                         eos_token_ids)).token_ids[0])
     while True:
-        batch = SamplingBatch.from_params([params], [prompt_ids], [output], vocab, eos_token_ids)
-        token = int(sample(logits, batch).token_ids[0])
         output.append(token)
         yield token
-        if len(output) >= params.max_tokens or (token in stops and len(output) > params.min_tokens):
+        if finished():
             return
-        logits = runner.logits([SeqChunk((token,), len(prompt_ids) + len(output) - 1, table)])
+        pos = len(prompt_ids) + len(output) - 1
+        drafts: list[int] = []
+        if speculative:
+            limit = min(controller.k, capacity - pos - 1, params.max_tokens - len(output))
+            drafts = propose_ngram(prompt_ids + output, limit, ngram_min=NGRAM_MIN)
+        logits = runner.logits([SeqChunk((token, *drafts), pos, table, num_logits=1 + len(drafts))])
+        n = len(drafts)
+        histories = [output + drafts[:j] for j in range(n + 1)]
+        batch = SamplingBatch.from_params([params] * (n + 1), [prompt_ids] * (n + 1), histories, vocab,
+                                          eos_token_ids)
+        if not drafts:
+            token = int(sample(logits, batch).token_ids[0])
+            continue
+        draft_ids, num_drafts = torch.tensor([drafts]), torch.tensor([n])
+        if params.is_greedy:  # argmax only: no softmax over the vocabulary per position
+            ids, emitted = verify_greedy(draft_ids, num_drafts, processed_logits(logits, batch)[None])
+        else:
+            uniforms = _verify_uniforms(params, len(output), n)
+            ids, emitted = verify_sampled(draft_ids, num_drafts, sampling_probs(logits, batch)[None], None,
+                                          uniforms[None])
+        num_accepted = int(emitted[0]) - 1
+        controller = controller.update(n, num_accepted)
+        for draft in drafts[:num_accepted]:
+            output.append(draft)
+            yield draft
+            if finished():
+                return
+        token = int(ids[0, num_accepted])
+
+
+def _verify_uniforms(params: SamplingParams, step: int, num_drafts: int) -> torch.Tensor:
+    """num_drafts accept-test uniforms and one for the final draw: seeded rows derive them from
+    (seed, step) on their own streams (1, 2), so output stays reproducible."""
+    if params.seed is None:
+        return torch.rand(num_drafts + 1, dtype=torch.float64)
+    values = [seeded_uniform(params.seed, 0, step + j, 1) for j in range(num_drafts)]
+    values.append(seeded_uniform(params.seed, 0, step, 2))
+    return torch.tensor(values, dtype=torch.float64)
