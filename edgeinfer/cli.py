@@ -40,11 +40,12 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
     p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
-                         num_threads=args.threads)
+                         num_threads=args.threads, cuda_graphs=args.cuda_graphs)
 
 
 def _load(args: argparse.Namespace) -> tuple[LoadedModel, LlamaModel]:

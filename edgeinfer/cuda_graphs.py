@@ -19,9 +19,8 @@ once per bucket size and replayed. The algorithm:
   configs per M bucket; nothing can be timed during capture), then captures largest first into
   one shared memory pool. Graphs are per thread: capture and replay on the model's one thread.
 
-``decode_forward`` is LlamaModel.forward's decode case with the longest context passed in, the
-one thing that stops the model's own forward from being captured (it reads ``context_lens.max()``
-back from the GPU). Its CPU test checks it against LlamaModel.forward.
+The graphs run LlamaModel.forward itself, with ``BatchMeta.max_context_len`` set to that
+capacity so attention never reads ``context_lens.max()`` back from the GPU.
 
 Owns the static buffers and the graphs of one ModelRunner; only ``DecodeGraphs.run`` writes the
 buffers. It never writes block tables (the block manager does) and never allocates pool blocks.
@@ -33,12 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from edgeinfer.models.llama import BatchMeta, LlamaModel
-from kernels.dispatch import linear
 from kernels.kv_pool import KVPool
-from kernels.paged_attention import paged_decode_attention
 
 PAD_SLOT = -1  # KVPool.write skips negative slots
 
@@ -101,46 +97,6 @@ def pad_decode_batch(
     return DecodeInputs(num_seqs, token_ids, positions, slots, tables, context_lens)
 
 
-@torch.inference_mode()
-def decode_forward(
-    model: LlamaModel, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool, max_context_len: int
-) -> torch.Tensor:
-    """LlamaModel.forward for a decode batch with no host sync: logits (S, vocab) fp32.
-
-    Mirrors LlamaModel.forward line for line (its decode branch), passing ``max_context_len``
-    (an upper bound: the graphs' block-table capacity) to attention on CUDA instead of reading
-    the longest context back from the device.
-    """
-    c = model.config
-    num_tokens = token_ids.shape[0]
-    q_size = c.num_heads * c.head_dim
-    kv_size = c.num_kv_heads * c.head_dim
-    scale = c.head_dim ** -0.5
-    num_qk_heads = c.num_heads + c.num_kv_heads
-    # The Triton kernel takes an upper bound (partitions past a row's context are skipped); the
-    # torch path reads it as the exact longest context (its one-sequence path cuts K/V to it),
-    # and off CUDA there is no graph to keep sync-free.
-    bound = max_context_len if token_ids.is_cuda else None
-    cos = model._cos[batch.positions].unsqueeze(1)  # (T, 1, head_dim)
-    sin = model._sin[batch.positions].unsqueeze(1)  # signed sine table, see LlamaModel._rope_tables
-    h = model.embed_tokens(token_ids)  # (T, hidden)
-    for index, layer in enumerate(model.layers):
-        x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-        qkv = linear(x, layer.qkv)  # (T, (Hq + 2 Hkv) * D)
-        qk = model._rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, c.head_dim), cos, sin)
-        q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-        v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
-        kv.write(index, k, v, batch.slot_mapping)
-        attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
-                                      max_context_len=bound)
-        h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o)
-        x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-        gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-        h = h + linear(F.silu(gate) * up, layer.down)
-    h = F.rms_norm(h[batch.logits_indices], (c.hidden_size,), model.norm, c.rms_norm_eps)
-    return model._head(h)
-
-
 class DecodeGraphs:
     """Static decode buffers of ``max(batch_sizes)`` rows and one CUDA graph per batch size.
 
@@ -190,6 +146,7 @@ class DecodeGraphs:
         )
 
     def _meta(self, bucket: int) -> BatchMeta:
+        # The capacity bound replaces reading the longest context back from the device.
         return BatchMeta(
             positions=self._positions[:bucket],
             slot_mapping=self._slots[:bucket],
@@ -198,11 +155,11 @@ class DecodeGraphs:
             query_start_loc=self._rows[: bucket + 1].to(torch.int32),
             logits_indices=self._rows[:bucket],
             is_decode=True,
+            max_context_len=self.max_context_len,
         )
 
     def _forward(self, bucket: int) -> torch.Tensor:
-        return decode_forward(self.model, self._token_ids[:bucket], self._meta(bucket), self.pool,
-                              self.max_context_len)
+        return self.model.forward(self._token_ids[:bucket], self._meta(bucket), self.pool)
 
     def _reset_padding(self) -> None:
         self._token_ids.zero_()

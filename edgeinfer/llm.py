@@ -48,13 +48,18 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
                       take_weights=take_weights)
 
 
+def graph_batch_sizes(runtime: RuntimeConfig) -> tuple[int, ...]:
+    """Batch sizes to capture as CUDA graphs (none unless asked; ignored off CUDA)."""
+    return runtime.graph_batch_sizes if runtime.cuda_graphs else ()
+
+
 def single_stream_runner(model: LlamaModel, runtime: RuntimeConfig, max_tokens: int) -> ModelRunner:
     """A runner whose pool holds exactly one sequence of ``max_tokens``."""
     c = model.config
     num_blocks = -(-max_tokens // runtime.block_size)
     pool = KVPool(c.num_layers, num_blocks, runtime.block_size, c.num_kv_heads, c.head_dim,
                   runtime.key_dtype, runtime.value_dtype, model.device)
-    return ModelRunner(model, pool, runtime.block_size)
+    return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime))
 
 
 def generate_tokens(

@@ -24,7 +24,7 @@ GGUF_MAGIC = b"GGUF"
 class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor | QuantizedTensor]
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None for synthetic models (edgeinfer.synthetic)
     source: str  # "gguf" | "hf" | "edgeinfer"
 
 

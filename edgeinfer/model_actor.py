@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.llm import build_model
+from edgeinfer.llm import build_model, graph_batch_sizes
 from edgeinfer.loader import LoadedModel
 from edgeinfer.messages import StepPlan, StepResult
 from edgeinfer.model_runner import ModelRunner, SeqChunk
@@ -136,4 +136,4 @@ def build_runner(loaded: LoadedModel, runtime: RuntimeConfig) -> ModelRunner:
     log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (K %s, V %s, %s, linear path %s)",
              blocks, runtime.block_size, blocks * runtime.block_size, pool.nbytes() / 2**20,
              runtime.key_dtype, runtime.value_dtype, device, path)
-    return ModelRunner(model, pool, runtime.block_size)
+    return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime))

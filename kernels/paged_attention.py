@@ -79,7 +79,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q (S, Hq, D), one token per sequence -> (S, Hq, D) attention over its cached context.
 
-    ``max_context_len`` (optional) spares a device sync on CUDA; ``partition_size`` is the
+    ``max_context_len`` (optional) is an upper bound on ``context_lens`` (exact or not: blocks past
+    a row's length are masked or skipped); it spares a device sync on CUDA; ``partition_size`` is the
     flash-decoding split (a power of two >= 16).
     """
     _check_common(q, pool, layer, block_tables, context_lens, "paged_decode_attention")
@@ -104,9 +105,10 @@ def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context
     qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if num_seqs == 1:
         # One sequence needs no padding mask: cut K/V to its length (the single-stream hot path;
-        # SDPA without a mask is ~2x faster at these sizes).
-        k = k.flatten(1, 2)[:, :max_context_len].transpose(1, 2)  # (1, Hkv, L, D)
-        v = v.flatten(1, 2)[:, :max_context_len].transpose(1, 2)
+        # SDPA without a mask is ~2x faster at these sizes). max_context_len may be a bound.
+        length = int(context_lens[0])
+        k = k.flatten(1, 2)[:, :length].transpose(1, 2)  # (1, Hkv, L, D)
+        v = v.flatten(1, 2)[:, :length].transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
     k = k.flatten(1, 2).transpose(1, 2)  # (S, Hkv, L, D)

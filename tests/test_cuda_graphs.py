@@ -4,11 +4,13 @@ replay against eager on a GPU (marked gpu)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from edgeinfer.config import ModelConfig, RuntimeConfig
-from edgeinfer.cuda_graphs import PAD_SLOT, DecodeGraphs, decode_forward, pad_decode_batch, select_bucket
+from edgeinfer.cuda_graphs import PAD_SLOT, DecodeGraphs, pad_decode_batch, select_bucket
 from edgeinfer.model_runner import ModelRunner, SeqChunk, build_batch
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.synthetic import synthetic_model
@@ -69,18 +71,18 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], tables: list[tuple[in
     runner.logits([SeqChunk(tuple(p), 0, t) for p, t in zip(prompts, tables, strict=True)])
 
 
-def test_decode_forward_matches_model_forward(tiny_model: LlamaModel) -> None:
+@pytest.mark.parametrize("num_seqs", [1, 2])
+def test_a_context_bound_gives_the_exact_logits(tiny_model: LlamaModel, num_seqs: int) -> None:
+    """Graphs pass the table capacity as max_context_len instead of the true longest context."""
     pool = make_pool(tiny_model)
     runner = ModelRunner(tiny_model, pool, BLOCK)
-    tables = [(0, 1, 2), (3, 4)]
-    prefill(runner, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]], tables)
-    step = [SeqChunk((10,), 7, tables[0]), SeqChunk((11,), 3, tables[1])]
+    tables = [(0, 1, 2), (3, 4)][:num_seqs]
+    prefill(runner, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]][:num_seqs], tables)
+    step = [SeqChunk((10,), 7, tables[0]), SeqChunk((11,), 3, (3, 4))][:num_seqs]
     token_ids, meta = build_batch(step, BLOCK, tiny_model.device)
     expected = tiny_model.forward(token_ids, meta, pool)
-    # Writes the same tokens' K/V into the same slots again (same bytes). The capacity bound
-    # (12 blocks) is used on CUDA only; the GPU test below covers it.
-    got = decode_forward(tiny_model, token_ids, meta, pool, max_context_len=12 * BLOCK)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    bounded = dataclasses.replace(meta, max_context_len=12 * BLOCK)  # rewrites the same K/V bytes
+    torch.testing.assert_close(tiny_model.forward(token_ids, bounded, pool), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])

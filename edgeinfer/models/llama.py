@@ -33,6 +33,9 @@ class BatchMeta:
     query_start_loc: torch.Tensor  # (S + 1,) int32, cumulative new-token counts
     logits_indices: torch.Tensor  # (L,) int64, rows of the T tokens whose logits are wanted
     is_decode: bool  # every sequence has exactly one new token
+    # An upper bound on context_lens for decode attention, so CUDA (graphs) needs no host sync to
+    # find the longest context; None: read from context_lens.
+    max_context_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,8 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
             kv.write(index, k, v, batch.slot_mapping)
             if batch.is_decode:
-                attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale)
+                attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
+                                              max_context_len=batch.max_context_len)
             else:
                 attn = paged_prefill_attention(
                     q, kv, index, batch.block_tables, batch.context_lens, batch.query_start_loc, scale
