@@ -126,42 +126,11 @@ def open_source(path: str | Path) -> Source:
 
 
 def _open_gguf(path: Path) -> Source:
-    from gguf import GGUFReader
+    from quant.gguf_import import open_gguf_model
 
-    from quant.gguf_import import (
-        convert_tensor,
-        hf_name,
-        read_config,
-        read_tokenizer_metadata,
-        unpermute_rope_rows,
-    )
-
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, OSError, KeyError) as exc:
-        raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
-    config = read_config(reader)
-    tensors = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name) is not None}
-
-    def load(name: str) -> Weight:
-        tensor = tensors[name]
-        try:
-            weight = convert_tensor(tensor)
-        except NotImplementedError as exc:
-            raise ModelFileError(
-                f"{path}: tensor {tensor.name} has GGUF type {tensor.tensor_type.name}, "
-                f"which cannot be read: {exc}"
-            ) from exc
-        except ValueError as exc:
-            raise ModelFileError(f"{path}: tensor {tensor.name} is damaged (truncated?): {exc}") from exc
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_kv_heads)
-        return weight
-
-    tokenizer = Tokenizer.from_gguf_metadata(read_tokenizer_metadata(reader))
-    return Source("gguf", path, config, tokenizer, list(tensors), load)
+    gguf = open_gguf_model(path)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.tokenizer_metadata)
+    return Source("gguf", path, gguf.config, tokenizer, list(gguf.tensors), gguf.load)
 
 
 _BNB_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state")

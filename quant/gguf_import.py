@@ -188,8 +188,36 @@ def unpermute_rope_rows(w: Weight, num_heads: int) -> Weight:
     return rows(w)
 
 
-def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
-    """Read a GGUF file; errors name the file and what is wrong with it."""
+@dataclass(frozen=True)
+class GGUFSource:
+    """An opened GGUF file whose tensors are converted one at a time (the conversion tool
+    streams them; load_gguf takes them all)."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer_metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]  # HF name -> where the tensor lies
+    reader: GGUFFile
+
+    def load(self, name: str) -> Weight:
+        tensor = self.tensors[name]
+        try:
+            weight = convert_tensor(tensor, self.reader.read(tensor))
+        except NotImplementedError as exc:
+            raise ModelFileError(
+                f"{self.path}: tensor {tensor.name} has a GGUF type that cannot be read: {exc}"
+            ) from exc
+        except ValueError as exc:
+            raise ModelFileError(f"{self.path}: tensor {tensor.name} is damaged: {exc}") from exc
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rope_rows(weight, self.config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rope_rows(weight, self.config.num_kv_heads)
+        return weight
+
+
+def open_gguf_model(path: str | os.PathLike[str]) -> GGUFSource:
+    """Parse a GGUF file's metadata and tensor index; errors name the file and the problem."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
@@ -197,24 +225,22 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
         reader = open_gguf(path)
     except (GGUFFormatError, UnicodeDecodeError, OSError, struct.error) as exc:
         raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
-    config = read_config(reader)
-    weights: dict[str, Weight] = {}
+    tensors = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             log.info("ignoring GGUF tensor %s", tensor.name)
-            continue
-        try:
-            weight = convert_tensor(tensor, reader.read(tensor))
-        except ValueError as exc:
-            raise ModelFileError(f"{path}: tensor {tensor.name} is damaged: {exc}") from exc
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_kv_heads)
-        weights[name] = weight
-    check_weights(weights, config, str(path))
-    return GGUFModel(config, weights, read_tokenizer_metadata(reader))
+        else:
+            tensors[name] = tensor
+    return GGUFSource(path, read_config(reader), read_tokenizer_metadata(reader), tensors, reader)
+
+
+def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+    """Read a whole GGUF file into memory."""
+    source = open_gguf_model(path)
+    check_weights(dict.fromkeys(source.tensors), source.config, str(path))
+    weights = {name: source.load(name) for name in source.tensors}
+    return GGUFModel(source.config, weights, source.tokenizer_metadata)
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
