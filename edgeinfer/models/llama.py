@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
-from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path
+from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from quant.formats import QuantizedTensor, concat_rows, quantize_int4
@@ -119,6 +119,9 @@ class LlamaModel:
             rows = torch.arange(head.shape[0])
             head = concat_rows([quantize_int4(_rows(head, chunk), 32) for chunk in rows.split(4096)])
         self.head = prep(head)
+        linears = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        # One reused buffer for prefill's dequantized weights (the model runs on one thread).
+        self._scratch = torch.empty(scratch_numel(linears), device=self.device)
         self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         self._cos, self._sin = self._rope_tables(c.max_position)
 
@@ -165,7 +168,7 @@ class LlamaModel:
         h = self.embed_tokens(token_ids)  # (T, hidden)
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
-            qkv = linear(x, layer.qkv)  # (T, (Hq + 2 Hkv) * D)
+            qkv = linear(x, layer.qkv, self._scratch)  # (T, (Hq + 2 Hkv) * D)
             qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -177,11 +180,11 @@ class LlamaModel:
                 attn = paged_prefill_attention(
                     q, kv, index, batch.block_tables, batch.context_lens, batch.query_start_loc, scale
                 )
-            h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o)
+            h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o, self._scratch)
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-            gate_up = linear(x, layer.gate_up)
+            gate_up = linear(x, layer.gate_up, self._scratch)
             gate, up = gate_up.chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down)
+            h = h + linear(F.silu(gate) * up, layer.down, self._scratch)
         h = F.rms_norm(h[batch.logits_indices], (c.hidden_size,), self.norm, c.rms_norm_eps)
         return self._head(h)
 
