@@ -82,6 +82,18 @@ def gptq_quantize(
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"group size {group_size} does not divide K={k}")
+    # The column loop is thousands of tiny ops: intra-op threads only add sync cost (measured on
+    # 2 cores: 26 s with 2 threads, 0.5 s with 1 for a 576 x 1536 weight).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _gptq(w, h, fmt, group_size, damp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int, damp: float) -> QuantizedTensor:
+    n, k = w.shape
     w = w.clone().float()
     h = h.clone().double()
     dead = h.diagonal() == 0  # inputs that are always zero: their weights do not matter
