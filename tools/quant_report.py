@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,15 @@ CONVERSIONS = {  # row name -> quantize arguments
 }
 
 
+_MAXRSS_WRAPPER = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(proc.pid, 0)
+print(usage.ru_maxrss)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _size(path: Path) -> int:
     return (
         path.stat().st_size
@@ -57,12 +65,12 @@ def _convert(src: str, dst: Path, extra: list[str]) -> tuple[float, float]:
     """Run the converter as a child; (seconds, peak RSS in MiB)."""
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "quant.cli", "quantize", src, str(dst), "-q", "--force", *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise RuntimeError(f"conversion failed ({proc.returncode}): {' '.join(cmd)}")
-    return time.perf_counter() - start, usage.ru_maxrss / 1024
+    # Linux folds the RSS a child had when it was forked into its ru_maxrss across exec; forked
+    # from this (large) process it would report our size. A small wrapper forks the converter.
+    out = subprocess.run([sys.executable, "-c", _MAXRSS_WRAPPER, *cmd], cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"conversion failed ({out.returncode}): {' '.join(cmd)}\n{out.stderr[-2000:]}")
+    return time.perf_counter() - start, int(out.stdout.split()[-1]) / 1024
 
 
 def _decode_tok_s(config, weights, num_tokens: int) -> float:
