@@ -166,3 +166,23 @@ def test_greedy_alone_is_deterministic_reference(loaded_model, model) -> None:  
     ids = loaded_model.tokenizer.encode("The capital of France is")
     assert top2_gap(model, loaded_model, ids) > NEAR_TIE
     assert torch.get_default_dtype() == torch.float32
+
+
+async def test_shared_prefix_reuses_blocks_and_gives_the_same_tokens(loaded_model, model) -> None:  # noqa: ANN001
+    """A second request sharing a 3-block prefix hits the prefix cache and still decodes exactly
+    as a fresh engine (no cache) does."""
+    tok = loaded_model.tokenizer
+    prefix = tok.encode("You are a careful assistant. Answer in one short sentence, plainly. " * 4)
+    assert len(prefix) >= 48
+    reqs = [("a", tuple(prefix + tok.encode(" What is the capital of France?")), 8),
+            ("b", tuple(prefix + tok.encode(" What colour is the sky?")), 8)]
+    with anyio.fail_after(TIMEOUT_S):
+        async with make_engine(loaded_model, model, 32) as engine:
+            await generate_all(engine, reqs[:1])
+            second = await generate_all(engine, reqs[1:])
+        async with make_engine(loaded_model, model, 32) as fresh:
+            expected = await generate_all(fresh, reqs[1:])
+    usage = second["b"][-1].usage
+    assert usage.cached_prompt_tokens >= 48, usage
+    assert expected["b"][-1].usage.cached_prompt_tokens == 0
+    assert tokens_of(second["b"]) == tokens_of(expected["b"])
