@@ -46,9 +46,10 @@ def text_tokens(tokenizer: Tokenizer, path: str | Path, num_tokens: int) -> list
 
 
 def perplexity(
-    model: LlamaModel, token_ids: list[int], window: int = 512, kv_dtype: str = "fp32"
+    model: LlamaModel, token_ids: list[int], window: int = 512, kv_dtype: str = "fp32", v_dtype: str | None = None
 ) -> PerplexityResult:
-    """Perplexity over ``token_ids`` in non-overlapping windows (the last partial one included)."""
+    """Perplexity over ``token_ids`` in non-overlapping windows (the last partial one included).
+    ``kv_dtype`` is K's and V's KV format unless ``v_dtype`` sets V's apart."""
     if window < 2:
         raise ValueError(f"window must be at least 2 tokens, got {window}")
     if len(token_ids) < 2:
@@ -56,7 +57,7 @@ def perplexity(
     c = model.config
     num_blocks = -(-window // BLOCK_SIZE)
     pool = KVPool(
-        c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, kv_dtype, device=model.device
+        c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, kv_dtype, v_dtype, device=model.device
     )
     runner = ModelRunner(model, pool, BLOCK_SIZE)
     table = tuple(range(num_blocks))
