@@ -51,8 +51,10 @@ class Page:
 
     async def wait_for(self, expression: str, timeout_s: float = 20.0):
         deadline = asyncio.get_running_loop().time() + timeout_s
+        # Until navigation commits, the old page (about:blank) lacks the elements: not yet, not an error.
+        guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return false; }} }})()"
         while True:
-            value = await self.js(expression)
+            value = await self.js(guarded)
             if value:
                 return value
             assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for: {expression}"
