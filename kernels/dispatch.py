@@ -66,6 +66,8 @@ def resolve_path(path: str, device: torch.device) -> str:
 def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: torch.device) -> PreparedLinear:
     """Convert a weight for ``path``; called once per weight at load time."""
     if not isinstance(weight, QuantizedTensor):
+        if path == "int4_cpu" and weight.dtype == torch.bfloat16:
+            return PreparedLinear("bf16_cpu", tuple(weight.shape), None, dense=weight.contiguous())
         dense = weight.to(device=device, dtype=torch.float32).contiguous()
         return PreparedLinear("dense", tuple(dense.shape), None, dense=dense)
     if path == "reference":

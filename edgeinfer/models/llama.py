@@ -48,12 +48,14 @@ class _Layer:
     down: PreparedLinear
 
 
-def _fuse(weights: list[Weight]) -> Weight:
-    if all(isinstance(w, QuantizedTensor) for w in weights):
-        formats = {(w.format, w.group_size) for w in weights}  # type: ignore[union-attr]
-        if len(formats) == 1:
+def _fuse(weights: list[Weight], dense_dtype: torch.dtype) -> Weight:
+    """One weight for several projections of the same input (QKV, gate/up); parts that cannot be
+    concatenated quantized become one ``dense_dtype`` tensor."""
+    if all(isinstance(w, QuantizedTensor) and w.format in ("int4", "int8") for w in weights):
+        if len({(w.format, w.group_size) for w in weights}) == 1:  # type: ignore[union-attr]
             return concat_rows(weights)  # type: ignore[arg-type]
-    return torch.cat([w.dequantize() if isinstance(w, QuantizedTensor) else w.float() for w in weights])
+    return torch.cat([w.dequantize(dense_dtype) if isinstance(w, QuantizedTensor) else w.to(dense_dtype)
+                      for w in weights])
 
 
 HEAD_REFINE_ROWS = 64
@@ -88,16 +90,19 @@ class LlamaModel:
         c = config
         prep = lambda w: prepare_linear(w, self.linear_path, self.device)  # noqa: E731
         get = weights.pop if take_weights else weights.__getitem__
+        # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
+        dense_dtype = torch.bfloat16 if self.linear_path == "int4_cpu" else torch.float32
+        fuse = lambda parts: _fuse(parts, dense_dtype)  # noqa: E731
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             w = lambda name: get(p + name + ".weight")  # noqa: E731,B023
             self.layers.append(_Layer(
                 input_norm=self._dense(w("input_layernorm")),
-                qkv=prep(_fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
+                qkv=prep(fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
                 o=prep(w("self_attn.o_proj")),
                 post_norm=self._dense(w("post_attention_layernorm")),
-                gate_up=prep(_fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
+                gate_up=prep(fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
                 down=prep(w("mlp.down_proj")),
             ))
         self.norm = self._dense(get("model.norm.weight"))
