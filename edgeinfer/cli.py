@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
 
 if TYPE_CHECKING:
+    from edgeinfer.draft_model import DraftModel
     from edgeinfer.loader import LoadedModel
     from edgeinfer.model_runner import ModelRunner
     from edgeinfer.models.llama import LlamaModel
@@ -83,11 +84,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     text = args.prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt_ids = tok.encode(text, add_special=args.no_chat)
-    runner = _runner(args, model, len(prompt_ids) + params.max_tokens)
     eos = tuple(loaded.config.eos_token_ids)
+    if args.beam_width:
+        return _beam_generate(args, loaded, model, prompt_ids)
+    runner = _runner(args, model, len(prompt_ids) + params.max_tokens)
     checker = StopChecker(params, eos)
     detok = tok.detokenizer()
-    for token in generate_tokens(runner, prompt_ids, params, eos):
+    drafter = _drafter(args, len(prompt_ids) + params.max_tokens)
+    for token in generate_tokens(runner, prompt_ids, params, eos, drafter=drafter):
         out, reason = checker.push(token, detok.push(token))
         sys.stdout.write(out)
         sys.stdout.flush()
@@ -95,6 +99,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
             break
     sys.stdout.write(checker.flush() + "\n")
     return 0
+
+
+def _beam_generate(args: argparse.Namespace, loaded: LoadedModel, model: LlamaModel, prompt_ids: list[int]) -> int:
+    """generate --beam-width: the best --num-results continuations, with their scores when several."""
+    from edgeinfer.beam_runner import beam_pool_blocks, beam_search_tokens
+    from edgeinfer.beam_search import BeamSearchParams
+    from edgeinfer.llm import single_stream_runner
+
+    conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
+                                       ("--speculative", bool(args.speculative)),
+                                       ("--draft-model", bool(args.draft_model))) if on]
+    if conflicts:
+        raise ValueError(f"beam search is deterministic and runs alone: drop {', '.join(conflicts)}")
+    params = BeamSearchParams(width=args.beam_width, max_tokens=args.max_tokens, num_results=args.num_results,
+                              length_penalty=args.length_penalty, eos_token_ids=tuple(loaded.config.eos_token_ids))
+    runtime = runtime_config(args)
+    blocks = beam_pool_blocks(len(prompt_ids), params, runtime.block_size)
+    if len(prompt_ids) + params.max_tokens > model.config.max_position:
+        raise ValueError(f"prompt_too_long: {len(prompt_ids) + params.max_tokens} tokens (prompt + new) exceed "
+                         f"the model's context of {model.config.max_position}")
+    runner = single_stream_runner(model, runtime, blocks * runtime.block_size)  # one pool the beams share
+    hypotheses = beam_search_tokens(runner, prompt_ids, params)
+    for rank, hyp in enumerate(hypotheses, 1):
+        text = loaded.tokenizer.decode(list(hyp.token_ids))  # special tokens (EOS) skipped
+        if len(hypotheses) > 1:
+            print(f"--- {rank} score {hyp.score:.4f} logprob {hyp.logprob:.4f} ({hyp.finish_reason})")
+        print(text)
+    return 0
+
+
+def _drafter(args: argparse.Namespace, num_tokens: int) -> str | DraftModel | None:
+    """generate's drafter: --draft-model (a DraftModel), --speculative ngram, or none."""
+    if args.draft_model:
+        from edgeinfer.draft_model import DraftModel
+        from edgeinfer.llm import build_model, single_stream_runner
+        from edgeinfer.loader import load_model
+
+        draft = build_model(load_model(model_path(args.draft_model)), runtime_config(args), take_weights=True)
+        return DraftModel(single_stream_runner(draft, runtime_config(args), num_tokens))
+    return args.speculative
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -183,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: sampling)")
+    gen.add_argument("--num-results", type=int, default=1, help="beam search: how many best continuations to print")
+    gen.add_argument("--length-penalty", type=float, default=1.0,
+                     help="beam search: score = logprob / length ** this (> 0 favours longer answers)")
+    gen.add_argument("--speculative", choices=("ngram",), default=None,
+                     help="speculative decoding with prompt-lookup drafts (helps when the answer copies the prompt)")
+    gen.add_argument("--draft-model", metavar="PATH",
+                     help="speculative decoding with this model drafting (same vocabulary), e.g. the int4 "
+                          "GGUF for an int8 or bf16 checkpoint of the same model")
     add_runtime_args(gen)
     gen.set_defaults(func=cmd_generate)
 

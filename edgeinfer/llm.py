@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from edgeinfer.config import RuntimeConfig
+from edgeinfer.draft_model import DraftModel
 from edgeinfer.loader import LoadedModel
 from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
@@ -25,6 +26,7 @@ from kernels.kv_pool import KVPool
 # Single-token matches draft too eagerly in free text (measured acceptance 0.08); two tokens of
 # context keep the drafts that prompt lookup is for.
 NGRAM_MIN = 2
+NGRAM = "ngram"  # generate_tokens' drafter for prompt lookup
 
 
 def resolve_device(runtime: RuntimeConfig) -> torch.device:
@@ -68,16 +70,19 @@ def generate_tokens(
     params: SamplingParams,
     eos_token_ids: tuple[int, ...] = (),
     prefill_chunk: int | None = None,
-    speculative: bool = False,
+    drafter: str | DraftModel | None = None,
 ) -> Iterator[int]:
     """Yield sampled token ids for one sequence until max_tokens, EOS or a stop token id.
     Stop strings are the caller's business (edgeinfer.stop.StopChecker).
 
-    ``speculative`` drafts tokens by prompt lookup (n-grams of the context) and verifies them in
-    one forward with the standard rejection rule, so greedy output is unchanged and sampled
-    output keeps the target distribution. Requests with penalties decode plainly: their
-    distribution changes with every accepted token. Drafted K/V slots past the accepted tokens
-    are simply overwritten by the next step (slots are by position)."""
+    ``drafter`` turns on speculative decoding: "ngram" drafts by prompt lookup (n-grams of the
+    context), a DraftModel by running that model; the target verifies the drafts in one forward
+    with the standard rejection rule, so greedy output is unchanged and sampled output keeps the
+    target distribution. The draft length adapts to the acceptance rate. Requests with
+    penalties decode plainly: their distribution changes with every accepted token. Drafted K/V
+    slots past the accepted tokens are simply overwritten by the next step (slots are by position)."""
+    if drafter not in (None, NGRAM) and not isinstance(drafter, DraftModel):
+        raise ValueError(f"drafter must be None, {NGRAM!r} or a DraftModel, got {drafter!r}")
     capacity = runner.pool.num_blocks * runner.block_size
     if len(prompt_ids) + params.max_tokens > capacity:
         raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds "
@@ -88,7 +93,11 @@ def generate_tokens(
     for start in range(0, len(prompt_ids), chunk):  # chunked prefill: only the last chunk's logits matter
         logits = runner.logits([SeqChunk(tuple(prompt_ids[start:start + chunk]), start, table)])
     penalised = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
-    speculative = speculative and not penalised
+    if penalised:
+        drafter = None
+    if isinstance(drafter, DraftModel):
+        drafter.check_target(vocab)
+        capacity = min(capacity, drafter.capacity)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     output: list[int] = []
     controller = AdaptiveK()
@@ -105,9 +114,12 @@ def generate_tokens(
             return
         pos = len(prompt_ids) + len(output) - 1
         drafts: list[int] = []
-        if speculative:
-            limit = min(controller.k, capacity - pos - 1, params.max_tokens - len(output))
+        draft_probs = None
+        limit = min(controller.k, capacity - pos - 1, params.max_tokens - len(output))
+        if drafter == NGRAM:
             drafts = propose_ngram(prompt_ids + output, limit, ngram_min=NGRAM_MIN)
+        elif drafter is not None:
+            drafts, draft_probs = drafter.propose(prompt_ids, output, limit, params, eos_token_ids)
         logits = runner.logits([SeqChunk((token, *drafts), pos, table, num_logits=1 + len(drafts))])
         n = len(drafts)
         histories = [output + drafts[:j] for j in range(n + 1)]
@@ -121,8 +133,8 @@ def generate_tokens(
             ids, emitted = verify_greedy(draft_ids, num_drafts, processed_logits(logits, batch)[None])
         else:
             uniforms = _verify_uniforms(params, len(output), n)
-            ids, emitted = verify_sampled(draft_ids, num_drafts, sampling_probs(logits, batch)[None], None,
-                                          uniforms[None])
+            ids, emitted = verify_sampled(draft_ids, num_drafts, sampling_probs(logits, batch)[None],
+                                          None if draft_probs is None else draft_probs[None], uniforms[None])
         num_accepted = int(emitted[0]) - 1
         controller = controller.update(n, num_accepted)
         for draft in drafts[:num_accepted]:

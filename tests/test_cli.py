@@ -29,3 +29,41 @@ def test_prompt_too_long_is_a_clear_error(default_model_path) -> None:
     result = _edgeinfer("generate", "hi " * 9000, "--max-tokens", "4", model=default_model_path)
     assert result.returncode == 2
     assert "prompt_too_long" in result.stderr
+
+
+def test_speculative_generate_prints_what_plain_generate_prints(default_model_path) -> None:
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox."
+    args = ("generate", prompt, "--max-tokens", "24", "--temperature", "0")
+    plain = _edgeinfer(*args, model=default_model_path)
+    assert plain.returncode == 0, plain.stderr
+    for extra in (("--speculative", "ngram"), ("--draft-model", str(default_model_path))):
+        result = _edgeinfer(*args, *extra, model=default_model_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == plain.stdout, extra
+
+
+def test_missing_draft_model_is_a_clear_error(default_model_path, tmp_path) -> None:
+    result = _edgeinfer("generate", "hi", "--draft-model", str(tmp_path / "nope.gguf"), model=default_model_path)
+    assert result.returncode == 2
+    assert "nope.gguf" in result.stderr
+
+
+def test_beam_search_generate(default_model_path) -> None:
+    args = ("generate", "What is the capital of France?", "--max-tokens", "12")
+    width1 = _edgeinfer(*args, "--beam-width", "1", model=default_model_path)
+    greedy = _edgeinfer(*args, "--temperature", "0", model=default_model_path)
+    assert width1.returncode == 0, width1.stderr
+    assert width1.stdout == greedy.stdout  # one beam is greedy decoding
+    result = _edgeinfer(*args, "--beam-width", "3", "--num-results", "2", model=default_model_path)
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if line.startswith("--- ")]
+    assert [h.split()[1] for h in headers] == ["1", "2"]
+    scores = [float(h.split()[3]) for h in headers]
+    assert scores[0] >= scores[1]
+    assert "Paris" in result.stdout
+
+
+def test_beam_search_refuses_sampling_flags(default_model_path) -> None:
+    result = _edgeinfer("generate", "hi", "--beam-width", "2", "--temperature", "0.7", model=default_model_path)
+    assert result.returncode == 2
+    assert "--temperature" in result.stderr

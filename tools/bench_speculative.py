@@ -1,10 +1,16 @@
-"""Prompt-lookup speculative decoding vs plain decoding, single stream, on the default model.
+"""Speculative decoding vs plain decoding, single stream, greedy, on the default model.
 
-Two prompts: one that asks to rewrite a given text (the answer repeats the prompt, so n-gram
-drafts hit) and a free-form one (drafts rarely hit). Decode time excludes the prefill. Prints
-acceptance rate (accepted / drafted), tokens per forward, decode tok/s and the speed-up.
+Drafters: "ngram" (prompt lookup) on the int4 model; "draft" the int4 model drafting for the
+same weights held in bf16 (the int4-drafts-for-a-wider-format pairing; the bf16 target is the
+plain baseline there). Prompts: rewrite / repeat a given text (the answer copies the prompt, so
+n-gram drafts hit) and a free-form one (they rarely do). Generation stops at EOS unless
+--ignore-eos, as a user's request would; decode time excludes the prefill. Prints acceptance
+(accepted / drafted), tokens per target forward, decode tok/s and the speed-up. Outputs are
+the same greedy text up to near-ties: a verify forward over k+1 tokens rounds differently from
+k+1 one-token forwards on the fast paths, so the tokens columns may differ slightly.
 
-    python tools/bench_speculative.py [--new-tokens 128] [--repeat 2] [--json]
+    python tools/bench_speculative.py [--new-tokens 128] [--repeat 2] [--drafters ngram draft]
+                                      [--ignore-eos] [--json]
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from edgeinfer.config import RuntimeConfig  # noqa: E402
-from edgeinfer.llm import build_model, generate_tokens, single_stream_runner  # noqa: E402
-from edgeinfer.loader import load_model  # noqa: E402
+from edgeinfer.draft_model import DraftModel  # noqa: E402
+from edgeinfer.llm import NGRAM, build_model, generate_tokens, single_stream_runner  # noqa: E402
+from edgeinfer.loader import LoadedModel, load_model  # noqa: E402
 from edgeinfer.pull import default_model_path, pull  # noqa: E402
 from edgeinfer.sampling_params import SamplingParams  # noqa: E402
+from quant.formats import QuantizedTensor  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 CODE = '''def moving_average(values, window):
@@ -62,9 +72,9 @@ class CountingRunner:
         return self.runner.logits(chunks)
 
 
-def run(runner, ids: list[int], params: SamplingParams, speculative: bool) -> dict:  # noqa: ANN001
+def run(runner, ids: list[int], params: SamplingParams, eos: tuple[int, ...], drafter) -> dict:  # noqa: ANN001
     counting = CountingRunner(runner)
-    stream = generate_tokens(counting, ids, params, (), speculative=speculative)
+    stream = generate_tokens(counting, ids, params, eos, drafter=drafter)
     next(stream)  # the prefill's token
     prefill_forwards = counting.forwards
     start = time.perf_counter()
@@ -76,40 +86,60 @@ def run(runner, ids: list[int], params: SamplingParams, speculative: bool) -> di
             "acceptance": accepted / counting.drafted if counting.drafted else 0.0}
 
 
+def bf16_copy(loaded: LoadedModel) -> LoadedModel:
+    """The same weights held in bf16: the wider-format target the int4 model drafts for."""
+    weights = {k: v.dequantize(torch.bfloat16) if isinstance(v, QuantizedTensor) and k.endswith("proj.weight") else v
+               for k, v in loaded.weights.items()}
+    return LoadedModel(loaded.config, weights, loaded.tokenizer, loaded.source)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--drafters", nargs="+", choices=("ngram", "draft"), default=["ngram", "draft"])
+    parser.add_argument("--ignore-eos", action="store_true", help="always decode --new-tokens tokens")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     path = args.model or (default_model_path() if default_model_path().is_file() else pull())
-    loaded = load_model(path)
-    tok = loaded.tokenizer
     runtime = RuntimeConfig()
-    model = build_model(loaded, runtime, take_weights=True)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    results = {}
+    loaded = load_model(path)
+    tok, eos = loaded.tokenizer, tuple(loaded.config.eos_token_ids)
+    int4 = build_model(loaded, runtime)
+    bf16 = build_model(bf16_copy(loaded), runtime) if "draft" in args.drafters else None
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
+    results = []
     for name, text in prompts().items():
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-        runner = single_stream_runner(model, runtime, len(ids) + args.new_tokens + 16)
-        best = {}
-        for _ in range(args.repeat):
-            for spec in (False, True):
-                r = run(runner, ids, params, spec)
-                key = "speculative" if spec else "plain"
-                if key not in best or r["decode_tok_s"] > best[key]["decode_tok_s"]:
-                    best[key] = r
-        results[name] = {**best, "speedup": best["speculative"]["decode_tok_s"] / best["plain"]["decode_tok_s"]}
+        length = len(ids) + args.new_tokens + 16
+        for drafter_name in args.drafters:
+            if drafter_name == "ngram":
+                target, drafter = single_stream_runner(int4, runtime, length), NGRAM
+            else:
+                target = single_stream_runner(bf16, runtime, length)
+                drafter = DraftModel(single_stream_runner(int4, runtime, length))
+            best = {}
+            for _ in range(args.repeat):
+                for key, d in (("plain", None), ("speculative", drafter)):
+                    r = run(target, ids, params, eos, d)
+                    if key not in best or r["decode_tok_s"] > best[key]["decode_tok_s"]:
+                        best[key] = r
+            results.append({"prompt": name, "drafter": drafter_name, **best,
+                            "speedup": best["speculative"]["decode_tok_s"] / best["plain"]["decode_tok_s"]})
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    print(f"greedy, {args.new_tokens} new tokens, EOS ignored, decode time only")
-    print("| prompt | plain tok/s | speculative tok/s | speed-up | acceptance | tokens/forward |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
+    stop = "EOS ignored" if args.ignore_eos else "stops at EOS"
+    print(f"greedy, up to {args.new_tokens} new tokens, {stop}, decode time only")
+    print("| prompt | drafter (target) | tokens plain / spec | plain tok/s | speculative tok/s | speed-up | "
+          "acceptance | tokens/forward |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
         s = r["speculative"]
-        print(f"| {name} | {r['plain']['decode_tok_s']:.1f} | {s['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
+        target = "int4" if r["drafter"] == "ngram" else "bf16"
+        print(f"| {r['prompt']} | {r['drafter']} ({target}) | {r['plain']['tokens']} / {s['tokens']} | "
+              f"{r['plain']['decode_tok_s']:.1f} | {s['decode_tok_s']:.1f} | {r['speedup']:.2f}x | "
               f"{s['acceptance']:.2f} | {s['tokens_per_forward']:.2f} |")
     return 0
 
