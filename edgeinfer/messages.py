@@ -30,12 +30,15 @@ class SeqStep:
     # prompt, sent only when a penalty reads it (empty otherwise, to keep decode messages small).
     output_ids: tuple[int, ...] = ()
     prompt_ids: tuple[int, ...] = ()
+    # Choice indices to sample from this row's logits (seeded draws differ by choice): the
+    # sequence's own, or 0..n-1 at the first sample of an n > 1 request, which then forks.
+    choices: tuple[int, ...] = (0,)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:
         fields = dict(data)
         fields["params"] = SamplingParams(**data["params"])
-        for name in ("token_ids", "block_table", "output_ids", "prompt_ids"):
+        for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices"):
             fields[name] = tuple(data[name])
         return cls(**fields)
 
@@ -64,7 +67,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step sampled, for the plan's rows with `sample` set, in plan order."""
+    """What one step sampled, for the plan's rows with `sample` set, in plan order; a row with
+    several choices has that many consecutive entries (its seq id repeated)."""
 
     step_id: int
     seq_ids: tuple[int, ...]

@@ -78,13 +78,15 @@ class ModelActor:
         # One logits row per chunk (its last token); rows of unfinished prefill chunks are dropped.
         chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table) for s in plan.seqs]
         logits = self.runner.logits(chunks)  # (num chunks, vocab) fp32
-        rows = [i for i, s in enumerate(plan.seqs) if s.sample]
+        # One sampling row per choice: an n > 1 request's first sample draws n tokens from one row.
+        rows = [i for i, s in enumerate(plan.seqs) if s.sample for _ in s.choices]
         if not rows:
             return StepResult(plan.step_id, (), ())
         sampled = [plan.seqs[i] for i in rows]
         batch = SamplingBatch.from_params(
             [s.params for s in sampled], [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled], self.vocab_size, self.eos_token_ids,
+            choice_indices=[c for s in plan.seqs if s.sample for c in s.choices],
             device=logits.device, generator=self._generator,
         )
         out = sample(logits[rows], batch)

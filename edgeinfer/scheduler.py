@@ -22,6 +22,13 @@ always takes the newest, the oldest running sequence always progresses: no livel
 deadlock. A chunk that reaches the sequence's last token samples its next token;
 `postprocess()` commits computed blocks for prefix sharing, runs the stop checks and finishes
 sequences, whose blocks are freed at once so a waiting request can join the next step.
+
+Parallel sampling (n > 1). A request starts as one sequence, choice 0. Its first sampling step
+draws n tokens from the one prompt's logits (SeqStep.choices), then `postprocess` forks choices
+1..n-1 from it: they share every prompt block and copy the partial last one on their first
+append (copy-on-write). From then on each choice is an ordinary running sequence (own stop
+checks, preemptible alone); the request finishes, with every choice in `Finished.choices`, when
+its last choice does. Admission counts the blocks of all n choices' lifetimes.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ class SeqState:
     arrival_s: float
     detokenizer: Detokenizer
     stop: StopChecker
+    index: int = 0  # choice index (n > 1)
+    to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
+    finish_reason: str | None = None
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V is in the pool
@@ -111,7 +121,7 @@ class Scheduler:
         self._watermark = int(config.kv_watermark * num_blocks)
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []  # in admission order: newest last
-        self._by_request: dict[str, SeqState] = {}
+        self._by_request: dict[str, list[SeqState]] = {}  # a request's choices, finished ones included
         self._by_seq: dict[int, SeqState] = {}
         self._next_seq_id = 0
         self._next_step_id = 0
@@ -125,8 +135,9 @@ class Scheduler:
             raise RequestError(INVALID_PARAMS, f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise RequestError(INVALID_PARAMS, "the prompt is empty")
-        if params.n != 1:
-            raise RequestError(INVALID_PARAMS, f"n must be 1 for this engine, got {params.n}")
+        if params.n > self.config.max_num_seqs:
+            raise RequestError(INVALID_PARAMS, f"n is {params.n}; at most max_num_seqs = "
+                                               f"{self.config.max_num_seqs} choices run at once")
         try:
             params.check_vocab(self.vocab_size)
         except InvalidParams as exc:
@@ -140,27 +151,33 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_waiting:
             raise RequestError(OVERLOADED, f"{len(self.waiting)} requests are already waiting",
                                self.config.retry_after_s)
-        seq = SeqState(
-            self._next_seq_id, request_id, tuple(prompt_ids), params,
-            min(len(prompt_ids) + params.max_tokens, self.max_seq_len), self._clock(),
-            self._make_detokenizer(), StopChecker(params, self.eos_token_ids))
+        max_len = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
+        if self._lifetime_blocks(len(prompt_ids), max_len, params.n) > self.block_manager.num_blocks:
+            raise RequestError(INVALID_PARAMS, (
+                f"n = {params.n} choices of {max_len} tokens do not fit the KV pool of "
+                f"{self.block_manager.num_blocks * self.block_size} tokens; lower n or max_tokens"))
+        seq = SeqState(self._next_seq_id, request_id, tuple(prompt_ids), params, max_len, self._clock(),
+                       self._make_detokenizer(), StopChecker(params, self.eos_token_ids), to_fork=params.n - 1)
         self._next_seq_id += 1
         position = len(self.waiting)
         self.waiting.append(seq)
-        self._by_request[request_id] = seq
+        self._by_request[request_id] = [seq]
         self._by_seq[seq.seq_id] = seq
         return Accepted(request_id, position, len(prompt_ids))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (client gone): its blocks are free when this returns."""
-        seq = self._by_request.get(request_id)
-        if seq is None:
+        choices = self._by_request.pop(request_id, None)
+        if choices is None:
             return False
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
-        self._release(seq)
+        for seq in choices:
+            if seq.finish_reason is not None:
+                continue
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self._release(seq)
         return True
 
     @property
@@ -212,7 +229,9 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[Event]:
         """Apply a step's result: commit blocks, emit tokens, finish sequences. Returns events."""
         now = self._clock()
-        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
+        rows: dict[int, int] = {}  # seq id -> its first row (a fork's n choices have n rows)
+        for row, seq_id in enumerate(result.seq_ids):
+            rows.setdefault(seq_id, row)
         events: list[Event] = []
         for step in plan.seqs:
             seq = self._by_seq.get(step.seq_id)
@@ -223,22 +242,46 @@ class Scheduler:
             seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
             if not step.sample:
                 continue
-            row = rows[seq.seq_id]
-            token_id = result.token_ids[row]
-            seq.output_ids.append(token_id)
-            self.num_generated_tokens += 1
-            if seq.first_token_s is None:
-                seq.first_token_s = now
-            seq.last_token_s = now
-            text, reason = seq.stop.push(token_id, seq.detokenizer.push(token_id))
-            if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
-                text, reason = text + seq.stop.flush(), "length"  # the context or pool is full
-            seq.text.append(text)
-            events.append(Token(seq.request_id, (token_id,), text, now - seq.arrival_s,
-                                self._logprobs(seq, result, row)))
-            if reason is not None:
-                events.append(self._finish(seq, reason, now))
+            row = rows[seq.seq_id]  # the first of len(step.choices) rows
+            # Fork before the parent takes its token: children share the prompt, not its output.
+            children = [self._fork(seq, index) for index in step.choices[1:]]
+            for offset, choice in enumerate([seq, *children]):
+                events.extend(self._emit(choice, result, row + offset, now))
         return events
+
+    def _emit(self, seq: SeqState, result: StepResult, row: int, now: float) -> list[Event]:
+        token_id = result.token_ids[row]
+        seq.output_ids.append(token_id)
+        self.num_generated_tokens += 1
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        seq.last_token_s = now
+        text, reason = seq.stop.push(token_id, seq.detokenizer.push(token_id))
+        if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
+            text, reason = text + seq.stop.flush(), "length"  # the context or pool is full
+        seq.text.append(text)
+        events: list[Event] = [Token(seq.request_id, (token_id,), text, now - seq.arrival_s,
+                                     self._logprobs(seq, result, row), seq.index)]
+        if reason is not None:
+            finished = self._finish(seq, reason, now)
+            if finished is not None:
+                events.append(finished)
+        return events
+
+    def _fork(self, parent: SeqState, index: int) -> SeqState:
+        """Choice ``index`` of parent's request: shares parent's blocks (prompt computed, no output)."""
+        child = SeqState(self._next_seq_id, parent.request_id, parent.prompt_ids, parent.params, parent.max_len,
+                         parent.arrival_s, self._make_detokenizer(), StopChecker(parent.params, self.eos_token_ids),
+                         index=index)
+        self._next_seq_id += 1
+        child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
+        child.num_cached_tokens, child.first_scheduled_s = parent.num_cached_tokens, parent.first_scheduled_s
+        parent.to_fork = 0
+        self.running.append(child)
+        self._by_request[parent.request_id].append(child)
+        self._by_seq[child.seq_id] = child
+        return child
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -253,8 +296,9 @@ class Scheduler:
         chunk = tuple(token_ids[start:start + budget])
         sample = start + len(chunk) == len(token_ids)
         wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
+        choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
-                       tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else ())
+                       tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices)
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.
@@ -278,32 +322,50 @@ class Scheduler:
             if victim is seq:
                 return False, [], preempted
 
-    def _can_admit(self, seq: SeqState) -> bool:
-        if not self.running:
-            return True  # it fits the pool alone (max_len <= pool slots)
-        lifetime_blocks = -(-seq.max_len // self.block_size)
-        return lifetime_blocks + self._watermark <= self.block_manager.num_available
+    def _lifetime_blocks(self, prompt_len: int, max_len: int, n: int) -> int:
+        """Blocks a request may hold at once: its first choice's lifetime, plus each other
+        choice's output and one copy-on-write block."""
+        own = -(-max_len // self.block_size)
+        return own + (n - 1) * (-(-(max_len - prompt_len) // self.block_size) + 1)
 
-    def _finish(self, seq: SeqState, reason: str, now: float) -> Finished:
+    def _can_admit(self, seq: SeqState) -> bool:
+        if seq.to_fork and len(self.running) + seq.to_fork + 1 > self.config.max_num_seqs:
+            return False  # its choices join the running batch at the first sample
+        if not self.running:
+            return True  # it fits the pool alone (checked at add_request)
+        lifetime = self._lifetime_blocks(len(seq.prompt_ids), seq.max_len, seq.to_fork + 1)
+        return lifetime + self._watermark <= self.block_manager.num_available
+
+    def _finish(self, seq: SeqState, reason: str, now: float) -> Finished | None:
+        """Retire one choice; the request's Finished once its last choice is done."""
         self.running.remove(seq)
         self._release(seq)
-        num_out = len(seq.output_ids)
-        first = seq.first_token_s if seq.first_token_s is not None else now
-        last = seq.last_token_s if seq.last_token_s is not None else now
+        seq.finish_reason = reason
+        choices = self._by_request[seq.request_id]
+        if any(c.finish_reason is None for c in choices) or seq.to_fork:
+            return None
+        del self._by_request[seq.request_id]
+        firsts = [c.first_token_s for c in choices if c.first_token_s is not None]
+        lasts = [c.last_token_s for c in choices if c.last_token_s is not None]
+        first, last = min(firsts, default=now), max(lasts, default=now)
+        longest = max(len(c.output_ids) for c in choices)
         usage = Usage(
-            prompt_tokens=len(seq.prompt_ids), completion_tokens=num_out,
-            cached_prompt_tokens=seq.num_cached_tokens,
-            queue_time_s=(seq.first_scheduled_s or now) - seq.arrival_s,
-            ttft_s=first - seq.arrival_s, tpot_s=(last - first) / (num_out - 1) if num_out > 1 else 0.0,
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=sum(len(c.output_ids) for c in choices),
+            cached_prompt_tokens=choices[0].num_cached_tokens,
+            queue_time_s=(choices[0].first_scheduled_s or now) - seq.arrival_s,
+            ttft_s=first - seq.arrival_s, tpot_s=(last - first) / (longest - 1) if longest > 1 else 0.0,
             total_time_s=now - seq.arrival_s,
-            peak_kv_bytes=seq.peak_blocks * self.block_size * self.bytes_per_token)
-        return Finished(seq.request_id, reason, usage, "".join(seq.text))
+            # Shared prompt blocks count once per choice: an upper bound for n > 1.
+            peak_kv_bytes=sum(c.peak_blocks for c in choices) * self.block_size * self.bytes_per_token)
+        listed = () if len(choices) == 1 else tuple(
+            {"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
+             "completion_tokens": len(c.output_ids)} for c in sorted(choices, key=lambda c: c.index))
+        return Finished(seq.request_id, choices[0].finish_reason, usage, "".join(choices[0].text), listed)
 
     def _release(self, seq: SeqState) -> None:
         if seq.num_slots:
             self.block_manager.free(seq.seq_id)
             seq.num_slots = 0
-        del self._by_request[seq.request_id]
         del self._by_seq[seq.seq_id]
 
     def _logprobs(self, seq: SeqState, result: StepResult, row: int) -> tuple[TokenLogprob, ...] | None:

@@ -186,3 +186,24 @@ async def test_shared_prefix_reuses_blocks_and_gives_the_same_tokens(loaded_mode
     assert usage.cached_prompt_tokens >= 48, usage
     assert expected["b"][-1].usage.cached_prompt_tokens == 0
     assert tokens_of(second["b"]) == tokens_of(expected["b"])
+
+
+async def test_n_choices_end_to_end(loaded_model, model) -> None:  # noqa: ANN001
+    """n = 3 seeded choices from one request: choice 0 is the seeded n = 1 answer, the choices
+    differ, and the request ends once with every choice listed."""
+    engine = make_engine(loaded_model, model, 64)
+    prompt = tuple(loaded_model.tokenizer.encode("Once upon a time"))
+
+    async def run(n: int) -> list:
+        params = SamplingParams(temperature=1.2, seed=3, n=n, max_tokens=6, ignore_eos=True)
+        return [e async for e in engine.generate(GenerateRequest(f"n{n}", prompt_token_ids=prompt, params=params))]
+
+    with anyio.fail_after(TIMEOUT_S):
+        async with engine:
+            three, one = await run(3), await run(1)
+    per_choice = [[t for e in three if isinstance(e, Token) and e.index == i for t in e.token_ids] for i in range(3)]
+    assert per_choice[0] == tokens_of(one)
+    assert all(len(c) == 6 for c in per_choice) and len({tuple(c) for c in per_choice}) > 1
+    done = three[-1]
+    assert isinstance(done, Finished) and sum(isinstance(e, Finished) for e in three) == 1
+    assert [c["index"] for c in done.choices] == [0, 1, 2] and done.usage.completion_tokens == 18

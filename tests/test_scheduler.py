@@ -26,6 +26,7 @@ from edgeinfer.events import (
 from edgeinfer.messages import StepPlan, StepResult
 from edgeinfer.model_actor import ModelActor
 from edgeinfer.model_runner import SeqChunk
+from edgeinfer.sampler import SamplingBatch, sample
 from edgeinfer.sampling_params import SamplingParams
 from edgeinfer.scheduler import Scheduler
 
@@ -80,8 +81,14 @@ class FakeRunner:
             for k, token_id in enumerate(chunk.token_ids):
                 slots[slot(chunk.start_pos + k)] = token_id
             context = [slots[slot(pos)] for pos in range(chunk.start_pos + len(chunk.token_ids))]
-            rows[row, next_token(context)] = 10.0
+            rows[row] = fake_logits(context)
         return rows
+
+
+def fake_logits(context: list[int]) -> torch.Tensor:
+    row = torch.zeros(VOCAB)
+    row[next_token(context)] = 10.0
+    return row
 
 
 class Letters:
@@ -215,7 +222,7 @@ def test_admission_errors() -> None:
     with pytest.raises(RequestError) as err:
         sched.add_request("long", [1] * 32, GREEDY)  # the pool holds 32 tokens: no room to decode
     assert err.value.code == PROMPT_TOO_LONG
-    for params in (SamplingParams(n=2), SamplingParams(logit_bias={VOCAB: 1.0})):
+    for params in (SamplingParams(n=5), SamplingParams(n=2, max_tokens=30), SamplingParams(logit_bias={VOCAB: 1.0})):
         with pytest.raises(RequestError) as err:
             sched.add_request("bad", [1], params)
         assert err.value.code == INVALID_PARAMS
@@ -245,3 +252,60 @@ def test_stop_string_eos_and_text() -> None:
     out = run_all(sched, model)
     assert out["s"][-1].finish_reason == "stop" and out["s"][-1].text == letters[:2]
     assert out["e"][-1].finish_reason == "stop" and out["e"][-1].text == letters[:1]
+
+
+def seeded_choice(prompt: list[int], params: SamplingParams, index: int) -> list[int]:
+    """What choice ``index`` of a seeded request must produce, sampled from the true contexts:
+    the oracle for parallel sampling (a wrong fork, copy or block table changes the context)."""
+    out: list[int] = []
+    while len(out) < params.max_tokens:
+        batch = SamplingBatch.from_params([params], [prompt], [out], VOCAB, (EOS,), choice_indices=[index])
+        out.append(int(sample(fake_logits(prompt + out)[None], batch).token_ids[0]))
+        if out[-1] == EOS:
+            break
+    return out
+
+
+def choice_tokens(events: list, index: int) -> list[int]:
+    return [t for e in events if isinstance(e, Token) and e.index == index for t in e.token_ids]
+
+
+def test_n_choices_fork_from_one_prefill() -> None:
+    sched, model = make(num_blocks=16)
+    prompt = [3, 1, 4, 1, 5, 9]  # ends inside a block: the choices copy it on their first append
+    params = SamplingParams(temperature=3.0, seed=11, n=3, max_tokens=6)
+    sched.add_request("a", prompt, params)
+    events = run_all(sched, model)["a"]
+    got = [choice_tokens(events, i) for i in range(3)]
+    assert got == [seeded_choice(prompt, params, i) for i in range(3)]
+    assert len({tuple(g) for g in got}) > 1  # the choices do differ
+    finished = events[-1]
+    assert isinstance(finished, Finished) and [c["index"] for c in finished.choices] == [0, 1, 2]
+    assert [c["completion_tokens"] for c in finished.choices] == [len(g) for g in got]
+    assert finished.usage.completion_tokens == sum(len(g) for g in got)
+    assert finished.text == finished.choices[0]["text"]
+    assert sum(1 for e in events if isinstance(e, Finished)) == 1
+    # The prompt was computed once; each choice then fed only its own tokens.
+    computed = sum(len(c.token_ids) for chunks in model.runner.steps for c in chunks)
+    assert computed == len(prompt) + sum(len(g) - 1 for g in got)
+    assert sched.block_manager.num_used == 0
+
+
+def test_n_choices_under_preemption_and_abort() -> None:
+    sched, model = make(num_blocks=10, max_num_seqs=4)
+    params = SamplingParams(temperature=2.0, seed=5, n=2, max_tokens=8)
+    prompts = {"a": [2, 7, 1, 8, 2], "b": [1, 6, 1, 8, 0, 3, 3]}
+    for request_id, prompt in prompts.items():
+        sched.add_request(request_id, prompt, params)
+    sched.add_request("c", [9, 9, 9], SamplingParams(temperature=2.0, seed=1, n=3, max_tokens=8))
+    early = step(sched, model)[1] + step(sched, model)[1]
+    assert sched.abort("c") and not sched.abort("c")
+    out = run_all(sched, model)
+    for event in reversed(early):
+        out.setdefault(event.request_id, []).insert(0, event)
+    assert sched.num_preemptions > 0
+    for request_id, prompt in prompts.items():
+        for index in range(2):
+            assert choice_tokens(out[request_id], index) == seeded_choice(prompt, params, index)
+    assert not any(isinstance(e, Finished) for e in out.get("c", []))
+    assert sched.block_manager.num_used == 0
