@@ -14,6 +14,7 @@ import torch
 
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.draft_model import DraftModel
+from edgeinfer.kv_calibration import calibration_ids
 from edgeinfer.loader import LoadedModel
 from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
@@ -47,7 +48,7 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
     # The quantized head with exact refinement only pays on the CPU int4 path.
     head_format = "int4" if path == "int4_cpu" else "same"
     return LlamaModel(loaded.config, loaded.weights, linear_path=path, device=device, head_format=head_format,
-                      take_weights=take_weights)
+                      take_weights=take_weights, kv_calibration_ids=calibration_ids(loaded.tokenizer))
 
 
 def graph_batch_sizes(runtime: RuntimeConfig) -> tuple[int, ...]:

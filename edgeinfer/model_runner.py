@@ -19,6 +19,7 @@ import torch
 from edgeinfer.cuda_graphs import DecodeGraphs
 from edgeinfer.models.llama import BatchMeta, LlamaModel
 from kernels.kv_pool import KVPool
+from kernels.kv_quant import PLAIN_DTYPES
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.block_size = block_size
+        if pool.k_dtype not in PLAIN_DTYPES:
+            model.prepare_quantized_kv()  # before the first key is written (or graph captured)
         self.graphs: DecodeGraphs | None = None
         if graph_batch_sizes and model.device.type == "cuda":
             if max_blocks_per_seq is None:

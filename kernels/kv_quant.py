@@ -66,6 +66,27 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
+def kv_rotation(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal (D, D) matrix R that quantized K and V are stored multiplied by.
+
+    Attention keeps its value under a shared rotation, (q R)(k R)^T = q k^T, and the
+    attention output over rotated values is out R, so the model rotates q and k before the
+    cache write and un-rotates the output (edgeinfer.models.llama). Rotating spreads the few
+    large channels that RoPE'd keys carry over all channels, so a 4-bit group no longer spends
+    its range on one outlier. R is the normalised Hadamard matrix when D is a power of two,
+    else a fixed seeded random orthogonal matrix.
+    """
+    if head_dim & (head_dim - 1) == 0:
+        r = torch.ones(1, 1, dtype=torch.float64)
+        while r.shape[0] < head_dim:
+            r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)
+        r = r / head_dim**0.5
+    else:
+        gaussian = torch.randn(head_dim, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        r, _ = torch.linalg.qr(gaussian)
+    return r.float().to(device)
+
+
 def quantize_kv(x: torch.Tensor, kv_dtype: str) -> QuantizedKV:
     """(..., D) floating keys or values -> QuantizedKV in ``kv_dtype``."""
     if not x.is_floating_point():

@@ -91,6 +91,7 @@ def _ppl_parser() -> argparse.ArgumentParser:
 
 
 def eval_ppl_main(argv: list[str]) -> int:
+    from edgeinfer.kv_calibration import calibration_ids
     from edgeinfer.loader import load_model
     from edgeinfer.models.llama import LlamaModel
     from quant.perplexity import perplexity, text_tokens
@@ -99,7 +100,8 @@ def eval_ppl_main(argv: list[str]) -> int:
     try:
         start = time.perf_counter()
         loaded = load_model(args.model)
-        model = LlamaModel(loaded.config, loaded.weights, linear_path=args.linear_path)
+        model = LlamaModel(loaded.config, loaded.weights, linear_path=args.linear_path,
+                           kv_calibration_ids=calibration_ids(loaded.tokenizer))
         token_ids = text_tokens(loaded.tokenizer, args.text, args.tokens)
         result = perplexity(model, token_ids, window=args.window, kv_dtype=args.kv_dtype)
     except (ValueError, OSError, ModelFileError) as exc:

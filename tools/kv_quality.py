@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from edgeinfer.kv_calibration import calibration_ids  # noqa: E402
 from edgeinfer.loader import load_model  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.pull import default_model_path, pull  # noqa: E402
@@ -38,7 +39,8 @@ def main() -> int:
     args = parser.parse_args()
     path = args.model or (default_model_path() if default_model_path().is_file() else pull())
     loaded = load_model(path)
-    model = LlamaModel(loaded.config, loaded.weights, linear_path="reference")
+    model = LlamaModel(loaded.config, loaded.weights, linear_path="reference",
+                       kv_calibration_ids=calibration_ids(loaded.tokenizer))
     token_ids = text_tokens(loaded.tokenizer, CORPUS, args.tokens)
     rows = {}
     for k_dtype, v_dtype in FORMATS:

@@ -8,6 +8,7 @@ sequences, each sequence's new tokens sitting at the end of its context.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from edgeinfer.config import ModelConfig
 from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
 from kernels.kv_pool import KVPool
+from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from quant.formats import QuantizedTensor, concat_rows, quantize_int4
 
@@ -79,9 +81,12 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         head_format: str = "same",
         take_weights: bool = False,
+        kv_calibration_ids: Sequence[int] = (),
     ) -> None:
         """``take_weights`` pops each tensor from ``weights`` once converted, so the caller's dict
-        does not hold a second copy of the model while the prepared one is built."""
+        does not hold a second copy of the model while the prepared one is built.
+        ``kv_calibration_ids``: tokens whose mean keys centre quantized key caches
+        (edgeinfer.kv_calibration; measured by prepare_quantized_kv, none: keys not centred)."""
         if head_format not in ("same", "int4"):
             raise ValueError(f"head_format must be 'same' or 'int4', got {head_format!r}")
         self.config = config
@@ -129,6 +134,9 @@ class LlamaModel:
         self._scratch = torch.empty(scratch_numel(linears), device=self.device)
         self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         self._cos, self._sin = self._rope_tables(c.max_position)
+        self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
+        self._kv_calibration_ids = tuple(kv_calibration_ids)
+        self._key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
 
     def _dense(self, t: Weight) -> torch.Tensor:
         if isinstance(t, QuantizedTensor):
@@ -142,6 +150,29 @@ class LlamaModel:
         cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (length, head_dim)
         signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
         return cos.float().to(self.device), signed_sin.float().to(self.device)
+
+    def prepare_quantized_kv(self) -> None:
+        """Measure the key centres (once) before any quantized key cache is written: the
+        runner calls this when it binds the model to a pool with quantized keys."""
+        if self._key_centres is not None or not self._kv_calibration_ids:
+            return
+        c = self.config
+        ids = self._kv_calibration_ids[: c.max_position]
+        num_blocks = -(-len(ids) // 16)
+        pool = KVPool(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32", self.device)
+        n = len(ids)
+        batch = BatchMeta(
+            positions=torch.arange(n, device=self.device),
+            slot_mapping=torch.arange(n, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            logits_indices=torch.tensor([n - 1], device=self.device),
+            is_decode=False,
+        )
+        keys: list[torch.Tensor] = []
+        self.forward(torch.tensor(ids, device=self.device), batch, pool, key_sink=keys)
+        self._key_centres = torch.stack([k.float().mean(dim=0) for k in keys])
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return _rows(self.embed, token_ids)
@@ -160,8 +191,10 @@ class LlamaModel:
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
-        """Logits (len(batch.logits_indices), vocab) in fp32 for the requested token rows."""
+    def forward(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool,
+                key_sink: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits (len(batch.logits_indices), vocab) in fp32 for the requested token rows.
+        ``key_sink`` collects each layer's keys after RoPE (calibration)."""
         c = self.config
         num_tokens = token_ids.shape[0]
         q_size = c.num_heads * c.head_dim
@@ -170,13 +203,27 @@ class LlamaModel:
         num_qk_heads = c.num_heads + c.num_kv_heads
         cos = self._cos[batch.positions].unsqueeze(1)
         sin = self._sin[batch.positions].unsqueeze(1)
+        # Quantized caches hold rotated vectors (kernels.kv_quant.kv_rotation): q and k turn
+        # together, v turns in and the attention output turns back.
+        rotate_k = kv.k_dtype not in PLAIN_DTYPES
+        rotate_v = kv.v_dtype not in PLAIN_DTYPES
+        rot = self._kv_rotation
+        centres = self._key_centres if rotate_k else None
         h = self.embed_tokens(token_ids)  # (T, hidden)
         for index, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.input_norm, c.rms_norm_eps)
             qkv = linear(x, layer.qkv, self._scratch)  # (T, (Hq + 2 Hkv) * D)
             qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, c.head_dim), cos, sin)
+            if key_sink is not None:
+                key_sink.append(qk[:, c.num_heads:])
+            if centres is not None:  # keys only: the shift is the same for every key of a query
+                qk = torch.cat([qk[:, :c.num_heads], qk[:, c.num_heads:] - centres[index]], dim=1)
+            if rotate_k:
+                qk = qk @ rot
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
+            if rotate_v:
+                v = v @ rot
             kv.write(index, k, v, batch.slot_mapping)
             if batch.is_decode:
                 attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
@@ -185,6 +232,8 @@ class LlamaModel:
                 attn = paged_prefill_attention(
                     q, kv, index, batch.block_tables, batch.context_lens, batch.query_start_loc, scale
                 )
+            if rotate_v:
+                attn = attn @ rot.t()
             h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o, self._scratch)
             x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
             gate_up = linear(x, layer.gate_up, self._scratch)
