@@ -67,8 +67,17 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         is_decode=all(len(c.token_ids) == 1 for c in chunks),
+        seq_view=_consecutive_blocks(chunks[0], block_size) if len(chunks) == 1 else None,
     )
     return torch.tensor(token_ids, dtype=torch.int64, device=device), meta
+
+
+def _consecutive_blocks(chunk: SeqChunk, block_size: int) -> tuple[int, int] | None:
+    """(first block, context length) if the chunk's context sits in consecutive blocks."""
+    end = chunk.start_pos + len(chunk.token_ids)
+    first = chunk.block_table[0]
+    needed = chunk.block_table[: -(-end // block_size)]
+    return (first, end) if needed == tuple(range(first, first + len(needed))) else None
 
 
 class ModelRunner:

@@ -160,8 +160,11 @@ def _to_device(weight: QuantizedTensor, device: torch.device) -> QuantizedTensor
 
 
 def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T for x (..., K); returns fp32 on the CPU paths, x's dtype on Triton.
-    ``scratch``: a reusable fp32 buffer for the int4_cpu prefill path (see scratch_numel)."""
+    """y = x @ W.T for x (..., K). Returns fp32 on the exact and prefill paths, bf16 from the
+    int4/bf16 CPU kernels at thin M (left unconverted: the callers' next op, a residual add or
+    RoPE against fp32 tensors, promotes it for free; a separate .float() costed ~2 us per call),
+    x's dtype on Triton. ``scratch``: a reusable fp32 buffer for the int4_cpu prefill path (see
+    scratch_numel)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
@@ -171,13 +174,13 @@ def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None
     elif path == "int4_cpu" and (m < PREFILL_M or weight.source is not None):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), weight.packed, weight.group_size, weight.scales_and_zeros
-        ).float()
+        )
     elif path == "int4_cpu":
         y = x2.float() @ _dequantize_packed_t(weight, scratch)
     elif path == "bf16_cpu":
         # bf16 GEMM is slow on AVX2 at prefill sizes (~7x fp32), so wide batches upcast.
         w = weight.dense
-        y = (x2.to(torch.bfloat16) @ w.t()).float() if m < PREFILL_M else x2.float() @ w.float().t()
+        y = x2.to(torch.bfloat16) @ w.t() if m < PREFILL_M else x2.float() @ w.float().t()
     elif path == "dequantize":
         y = x2.float() @ weight.source.dequantize(torch.float32).t()
     elif path == "triton":

@@ -79,12 +79,15 @@ def paged_decode_attention(
     use_triton: bool | None = None,
     max_context_len: int | None = None,
     partition_size: int = 512,
+    seq_view: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """q (S, Hq, D), one token per sequence -> (S, Hq, D) attention over its cached context.
 
     ``max_context_len`` (optional) is an upper bound on ``context_lens`` (exact or not: blocks past
     a row's length are masked or skipped); it spares a device sync on CUDA; ``partition_size`` is the
-    flash-decoding split (a power of two >= 16).
+    flash-decoding split (a power of two >= 16). ``seq_view`` (first block, length): S is 1 and
+    the sequence's blocks are consecutive from that block, so the torch path reads plain caches
+    as a view (BatchMeta.seq_view).
     """
     _check_common(q, pool, layer, block_tables, context_lens, "paged_decode_attention")
     if use_triton is None:
@@ -96,10 +99,10 @@ def paged_decode_attention(
 
         return decode_triton(q, pool, layer, block_tables, context_lens, scale, max_context_len,
                               partition_size)
-    return _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len)
+    return _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view)
 
 
-def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len):
+def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = pool.num_kv_heads
     # GQA without repeating K/V: the g q heads of one KV head become g "query rows" of it.
@@ -108,13 +111,19 @@ def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context
         # The single-stream hot path (runs 30x per token): no padding mask, so K/V are cut to the
         # exact length, and plain caches are read straight from the pool. max_context_len may
         # be only a bound, so the length comes from context_lens.
-        length = int(context_lens[0])
-        ids = block_tables[0, : -(-length // pool.block_size)]
         kc, vc = pool.k_caches[layer], pool.v_caches[layer]
-        if kc.scale is None and vc.scale is None:
-            k, v = (c.data.index_select(0, ids).flatten(0, 1)[:length].float() for c in (kc, vc))
+        plain = kc.scale is None and vc.scale is None
+        if plain and seq_view is not None:  # a view, no gather: 84 vs 122 us at L=300, 3 KV heads
+            first, length = seq_view
+            start = first * pool.block_size
+            k, v = (c.data.flatten(0, 1)[start:start + length].float() for c in (kc, vc))
         else:
-            k, v = (x.flatten(0, 1)[:length] for x in pool.gather(layer, ids))
+            length = int(context_lens[0])
+            ids = block_tables[0, : -(-length // pool.block_size)]
+            if plain:
+                k, v = (c.data.index_select(0, ids).flatten(0, 1)[:length].float() for c in (kc, vc))
+            else:
+                k, v = (x.flatten(0, 1)[:length] for x in pool.gather(layer, ids))
         # Two bmm's beat CPU SDPA's flash kernel at one query row per head (59 vs 100 us, L=300).
         scores = torch.bmm(qg[0] * scale, k.permute(1, 2, 0))  # (Hkv, g, L)
         out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # (Hkv, g, D)

@@ -82,6 +82,36 @@ def test_decode_torch_path_matches_reference(k_dtype, v_dtype, group, head_dim):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k_dtype,v_dtype", [("fp32", "fp32"), ("bf16", "fp16"), ("int8", "int4")])
+@pytest.mark.parametrize("length", [1, 8, 29])
+def test_single_sequence_view_matches_reference(k_dtype, v_dtype, length):
+    # One sequence in consecutive blocks 2, 3, 4, 5 (BatchMeta.seq_view): plain caches are read
+    # as a view of the pool, quantized ones gathered; both must equal the reference.
+    block_size, first = 8, 2
+    pool = KVPool(2, 7, block_size, 2, 64, k_dtype, v_dtype)
+    gen = torch.Generator().manual_seed(length)
+    k = torch.randn(length, 2, 64, generator=gen) + 0.4
+    v = torch.randn(length, 2, 64, generator=gen) * 2
+    pool.write(LAYER, k, v, torch.arange(first * block_size, first * block_size + length))
+    tables = torch.arange(first, first + 4, dtype=torch.int32)[None]
+    context_lens = torch.tensor([length], dtype=torch.int32)
+    q = _q((1, 6, 64), seed=3)
+    out = paged_decode_attention(q, pool, LAYER, tables, context_lens, 0.125, seq_view=(first, length))
+    ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_runner_marks_consecutive_blocks_only():
+    from edgeinfer.model_runner import SeqChunk, build_batch
+
+    def view(chunks):
+        return build_batch(chunks, 4, torch.device("cpu"))[1].seq_view
+
+    assert view([SeqChunk((5,), 9, (3, 4, 5, 9))]) == (3, 10)  # positions 0..9 use blocks 3, 4, 5
+    assert view([SeqChunk((5,), 9, (3, 5, 4))]) is None
+    assert view([SeqChunk((5,), 9, (3, 4, 5)), SeqChunk((6,), 0, (7,))]) is None
+
+
 @pytest.mark.parametrize("k_dtype,v_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 128)])
 def test_decode_triton_matches_reference(k_dtype, v_dtype, group, head_dim):

@@ -38,6 +38,10 @@ class BatchMeta:
     # An upper bound on context_lens for decode attention, so CUDA (graphs) needs no host sync to
     # find the longest context; None: read from context_lens.
     max_context_len: int | None = None
+    # (first block, context length) when the step is one sequence whose blocks are consecutive
+    # in the pool (always so for a single-stream runner): CPU decode attention then reads K/V
+    # as a view of the pool instead of gathering blocks.
+    seq_view: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -223,11 +227,11 @@ class LlamaModel:
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
             if rotate_v:
-                v = v @ rot
+                v = v.to(rot.dtype) @ rot  # v comes in the linear's dtype (bf16/fp16 on fast paths)
             kv.write(index, k, v, batch.slot_mapping)
             if batch.is_decode:
                 attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
-                                              max_context_len=batch.max_context_len)
+                                              max_context_len=batch.max_context_len, seq_view=batch.seq_view)
             else:
                 attn = paged_prefill_attention(
                     q, kv, index, batch.block_tables, batch.context_lens, batch.query_start_loc, scale
