@@ -117,8 +117,21 @@ class SchedulerConfig:
     kv_watermark: float = 0.01  # fraction of KV blocks admission leaves free for running decodes
     retry_after_s: float = 1.0  # hint sent with `overloaded`
     mailbox_size: int = 1024  # scheduler actor inbox bound (submissions wait when it is full)
+    # Prompt-lookup speculative decoding for decoding sequences ("off" | "ngram"): up to
+    # max_draft_tokens drafts per step (adapted to each sequence's acceptance), only while at most
+    # speculate_max_seqs sequences run: in a wide batch the extra verify rows cost more than
+    # drafts save (on the CPU the int4 kernel's cost grows with rows from M = 4 on).
+    speculative: str = "off"
+    max_draft_tokens: int = 8
+    speculate_max_seqs: int = 2
 
     def __post_init__(self) -> None:
+        if self.speculative not in ("off", "ngram"):
+            raise ValueError(f"SchedulerConfig.speculative must be 'off' or 'ngram', got {self.speculative!r}")
+        if not 1 <= self.max_draft_tokens <= 16:
+            raise ValueError(f"SchedulerConfig.max_draft_tokens must be in [1, 16], got {self.max_draft_tokens}")
+        if self.speculate_max_seqs < 1:
+            raise ValueError(f"SchedulerConfig.speculate_max_seqs must be >= 1, got {self.speculate_max_seqs}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "mailbox_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")

@@ -18,9 +18,9 @@ from edgeinfer.kv_calibration import calibration_ids
 from edgeinfer.loader import LoadedModel
 from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
+from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs
 from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.speculative import AdaptiveK, propose_ngram, verify_greedy, verify_sampled
+from edgeinfer.speculative import AdaptiveK, propose_ngram, verify_greedy, verify_sampled, verify_uniforms
 from kernels.dispatch import resolve_path
 from kernels.kv_pool import KVPool
 
@@ -133,7 +133,7 @@ def generate_tokens(
         if params.is_greedy:  # argmax only: no softmax over the vocabulary per position
             ids, emitted = verify_greedy(draft_ids, num_drafts, processed_logits(logits, batch)[None])
         else:
-            uniforms = _verify_uniforms(params, len(output), n)
+            uniforms = verify_uniforms(params.seed, 0, len(output), n)
             ids, emitted = verify_sampled(draft_ids, num_drafts, sampling_probs(logits, batch)[None],
                                           None if draft_probs is None else draft_probs[None], uniforms[None])
         num_accepted = int(emitted[0]) - 1
@@ -145,12 +145,3 @@ def generate_tokens(
                 return
         token = int(ids[0, num_accepted])
 
-
-def _verify_uniforms(params: SamplingParams, step: int, num_drafts: int) -> torch.Tensor:
-    """num_drafts accept-test uniforms and one for the final draw: seeded rows derive them from
-    (seed, step) on their own streams (1, 2), so output stays reproducible."""
-    if params.seed is None:
-        return torch.rand(num_drafts + 1, dtype=torch.float64)
-    values = [seeded_uniform(params.seed, 0, step + j, 1) for j in range(num_drafts)]
-    values.append(seeded_uniform(params.seed, 0, step, 2))
-    return torch.tensor(values, dtype=torch.float64)

@@ -33,12 +33,15 @@ class SeqStep:
     # Choice indices to sample from this row's logits (seeded draws differ by choice): the
     # sequence's own, or 0..n-1 at the first sample of an n > 1 request, which then forks.
     choices: tuple[int, ...] = (0,)
+    # Prompt-lookup drafts riding on a decode step: token_ids is (last token, *draft_ids), the
+    # model verifies them and returns the accepted ones plus one sampled token.
+    draft_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:
         fields = dict(data)
         fields["params"] = SamplingParams(**data["params"])
-        for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices"):
+        for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices", "draft_ids"):
             fields[name] = tuple(data[name])
         return cls(**fields)
 
@@ -68,7 +71,9 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepResult:
     """What one step sampled, for the plan's rows with `sample` set, in plan order; a row with
-    several choices has that many consecutive entries (its seq id repeated)."""
+    several choices has that many consecutive entries (its seq id repeated). A row that carried
+    drafts emits num_emitted[row] tokens (accepted drafts, then the sampled one); token_ids is
+    every row's tokens back to back."""
 
     step_id: int
     seq_ids: tuple[int, ...]
@@ -76,6 +81,16 @@ class StepResult:
     logprobs: tuple[float, ...] | None = None  # the chosen tokens' logprobs, when any row asked
     # Per row: (token id, logprob) alternatives, best first, as many as that row asked for.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    num_emitted: tuple[int, ...] | None = None  # None: one token per row
+
+    def row_tokens(self) -> list[tuple[int, ...]]:
+        """Each row's emitted tokens."""
+        counts = self.num_emitted or (1,) * len(self.seq_ids)
+        out, start = [], 0
+        for n in counts:
+            out.append(tuple(self.token_ids[start:start + n]))
+            start += n
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepResult:
@@ -87,4 +102,5 @@ class StepResult:
             logprobs=None if data["logprobs"] is None else tuple(data["logprobs"]),
             top_logprobs=None if top is None else tuple(
                 tuple((int(t), float(lp)) for t, lp in row) for row in top),
+            num_emitted=None if data.get("num_emitted") is None else tuple(data["num_emitted"]),
         )

@@ -26,7 +26,8 @@ from edgeinfer.llm import build_model, graph_batch_sizes
 from edgeinfer.loader import LoadedModel
 from edgeinfer.messages import StepPlan, StepResult
 from edgeinfer.model_runner import ModelRunner, SeqChunk
-from edgeinfer.sampler import SamplingBatch, sample
+from edgeinfer.sampler import SamplingBatch, sample, sampling_probs
+from edgeinfer.speculative import verify_sampled, verify_uniforms
 from kernels.kv_pool import KVPool, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
@@ -75,31 +76,78 @@ class ModelActor:
         """One step, synchronously (tests call this directly)."""
         if plan.block_copies:
             self.runner.pool.copy_blocks(list(plan.block_copies))
-        # One logits row per chunk (its last token); rows of unfinished prefill chunks are dropped.
-        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table) for s in plan.seqs]
-        logits = self.runner.logits(chunks)  # (num chunks, vocab) fp32
-        # One sampling row per choice: an n > 1 request's first sample draws n tokens from one row.
-        rows = [i for i, s in enumerate(plan.seqs) if s.sample for _ in s.choices]
-        if not rows:
+        # Logits for each chunk's last token, and for every draft position of a chunk with drafts;
+        # rows of unfinished prefill chunks are dropped.
+        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=1 + len(s.draft_ids))
+                  for s in plan.seqs]
+        logits = self.runner.logits(chunks)
+        ends = torch.tensor([c.num_logits for c in chunks]).cumsum(0).tolist()
+        plain = [i for i, s in enumerate(plan.seqs) if s.sample and not s.draft_ids]
+        drafted = [i for i, s in enumerate(plan.seqs) if s.sample and s.draft_ids]
+        if not plain and not drafted:
             return StepResult(plan.step_id, (), ())
-        sampled = [plan.seqs[i] for i in rows]
+        rows: dict[int, list[tuple[tuple[int, ...], float, tuple]]] = {}  # seq index -> (tokens, logprob, top)
+        if plain:
+            self._sample_plain(plan, plain, logits[[ends[i] - 1 for i in plain for _ in plan.seqs[i].choices]], rows)
+        if drafted:
+            self._verify_drafts(plan, drafted, logits, ends, rows)
+        order = [(plan.seqs[i].seq_id, row) for i in sorted(rows) for row in rows[i]]
+        seq_ids = tuple(seq_id for seq_id, _ in order)
+        token_ids = tuple(t for _, (tokens, _, _) in order for t in tokens)
+        num_emitted = tuple(len(tokens) for _, (tokens, _, _) in order) if drafted else None
+        wants_logprobs = any(plan.seqs[i].params.logprobs is not None for i in plain)
+        logprobs = tuple(lp for _, (_, lp, _) in order) if wants_logprobs else None
+        top = tuple(t for _, (_, _, t) in order) if wants_logprobs else None
+        return StepResult(plan.step_id, seq_ids, token_ids, logprobs, top, num_emitted)
+
+    def _sample_plain(self, plan: StepPlan, indices: list[int], logits: torch.Tensor,
+                      rows: dict[int, list]) -> None:
+        """One token per choice: an n > 1 request's first sample draws n tokens from one row."""
+        sampled = [plan.seqs[i] for i in indices for _ in plan.seqs[i].choices]
         batch = SamplingBatch.from_params(
             [s.params for s in sampled], [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled], self.vocab_size, self.eos_token_ids,
-            choice_indices=[c for s in plan.seqs if s.sample for c in s.choices],
+            choice_indices=[c for i in indices for c in plan.seqs[i].choices],
             device=logits.device, generator=self._generator,
         )
-        out = sample(logits[rows], batch)
-        token_ids = tuple(out.token_ids.tolist())
-        logprobs = top = None
-        if out.logprobs is not None:
-            logprobs = tuple(out.logprobs.tolist())
-            top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-            top = tuple(
-                tuple(zip(top_ids[r][:s.params.logprobs or 0], top_lps[r][:s.params.logprobs or 0],
-                          strict=True))
-                for r, s in enumerate(sampled))
-        return StepResult(plan.step_id, tuple(s.seq_id for s in sampled), token_ids, logprobs, top)
+        out = sample(logits, batch)
+        token_ids = out.token_ids.tolist()
+        chosen = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(sampled)
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        r = 0
+        for i in indices:
+            k = plan.seqs[i].params.logprobs or 0
+            for _ in plan.seqs[i].choices:
+                top = tuple(zip(top_ids[r][:k], top_lps[r][:k], strict=True)) if top_ids is not None else ()
+                rows.setdefault(i, []).append(((token_ids[r],), chosen[r], top))
+                r += 1
+
+    def _verify_drafts(self, plan: StepPlan, indices: list[int], logits: torch.Tensor, ends: list[int],
+                       rows: dict[int, list]) -> None:
+        """Rejection-rule verification of prompt-lookup drafts (one-hot draft distributions), all
+        drafted rows in one padded batch; greedy rows reduce to 'accept while equal to argmax'."""
+        seqs = [plan.seqs[i] for i in indices]
+        k = max(len(s.draft_ids) for s in seqs)
+        positions = []  # (row, j) -> logits row; padding repeats the row's last position
+        for i, s in zip(indices, seqs, strict=True):
+            first = ends[i] - 1 - len(s.draft_ids)
+            positions.extend(first + min(j, len(s.draft_ids)) for j in range(k + 1))
+        histories = [list(s.output_ids) + list(s.draft_ids[:j]) for s in seqs for j in range(k + 1)]
+        expanded = [s for s in seqs for _ in range(k + 1)]
+        batch = SamplingBatch.from_params(
+            [s.params for s in expanded], [s.prompt_ids for s in expanded], histories, self.vocab_size,
+            self.eos_token_ids, choice_indices=[s.choices[0] for s in expanded], device=logits.device,
+            generator=self._generator)
+        probs = sampling_probs(logits[positions], batch).view(len(seqs), k + 1, -1)
+        draft_ids = torch.tensor([list(s.draft_ids) + [0] * (k - len(s.draft_ids)) for s in seqs],
+                                 device=logits.device)
+        num_drafts = torch.tensor([len(s.draft_ids) for s in seqs], device=logits.device)
+        uniforms = torch.stack([verify_uniforms(s.params.seed, s.choices[0], len(s.output_ids), k, self._generator)
+                                for s in seqs]).to(logits.device)
+        token_ids, emitted = verify_sampled(draft_ids, num_drafts, probs, None, uniforms)
+        for i, ids, n in zip(indices, token_ids.tolist(), emitted.tolist(), strict=True):
+            rows[i] = [(tuple(ids[:n]), 0.0, ())]
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -135,7 +183,7 @@ def build_runner(loaded: LoadedModel, runtime: RuntimeConfig) -> ModelRunner:
     blocks = num_kv_blocks(runtime, bytes_per_token * runtime.block_size, device)
     pool = KVPool(c.num_layers, blocks, runtime.block_size, c.num_kv_heads, c.head_dim,
                   runtime.key_dtype, runtime.value_dtype, device)
-    log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB (K %s, V %s, %s, linear path %s)",
-             blocks, runtime.block_size, blocks * runtime.block_size, pool.nbytes() / 2**20,
-             runtime.key_dtype, runtime.value_dtype, device, path)
+    log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token over all layers "
+             "(K %s, V %s, %s, linear path %s)", blocks, runtime.block_size, blocks * runtime.block_size,
+             pool.nbytes() / 2**20, bytes_per_token, runtime.key_dtype, runtime.value_dtype, device, path)
     return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime))

@@ -29,6 +29,14 @@ draws n tokens from the one prompt's logits (SeqStep.choices), then `postprocess
 append (copy-on-write). From then on each choice is an ordinary running sequence (own stop
 checks, preemptible alone); the request finishes, with every choice in `Finished.choices`, when
 its last choice does. Admission counts the blocks of all n choices' lifetimes.
+
+Speculative decoding (SchedulerConfig.speculative = "ngram"). While few sequences run, a
+decoding sequence may carry prompt-lookup drafts: its step feeds (last token, *drafts), whose
+slots are reserved first (never by preempting anyone: no free blocks, no drafts), and the model
+returns the accepted drafts plus one sampled token (edgeinfer.speculative's rejection rule, so
+the output distribution is the target's). Rejected drafts' slots stay reserved and are simply
+overwritten later (num_slots may exceed the tokens). num_computed then counts only verified
+tokens. Each sequence's AdaptiveK sets its draft length from its acceptance rate.
 """
 
 from __future__ import annotations
@@ -55,7 +63,12 @@ from edgeinfer.events import (
 )
 from edgeinfer.messages import SeqStep, StepPlan, StepResult
 from edgeinfer.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.speculative import AdaptiveK, propose_ngram
 from edgeinfer.stop import StopChecker
+
+# Prompt lookup needs two tokens of context to match (one-token matches drafted too eagerly in
+# free text: acceptance 0.08), as edgeinfer.llm's single-stream generator.
+NGRAM_MIN = 2
 
 
 class Detokenizer(Protocol):
@@ -73,6 +86,7 @@ class SeqState:
     detokenizer: Detokenizer
     stop: StopChecker
     index: int = 0  # choice index (n > 1)
+    draft_k: AdaptiveK = field(default_factory=AdaptiveK)  # speculative draft length
     to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
     finish_reason: str | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -204,7 +218,8 @@ class Scheduler:
                 if not fits:
                     break  # it was the newest: every sequence after it is gone too
                 copies.extend(copy)
-            steps.append(self._step(seq, budget))
+            drafts = self._drafts(seq, budget - 1, copies)
+            steps.append(self._step(seq, budget, drafts))
             budget -= len(steps[-1].token_ids)
             i += 1
         while (not preempted and self.waiting and budget > 0
@@ -237,9 +252,12 @@ class Scheduler:
             seq = self._by_seq.get(step.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
+            seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
+            if step.draft_ids:
+                events.extend(self._emit_verified(seq, step, result, rows[seq.seq_id], now))
+                continue
             seq.num_computed = step.start_pos + len(step.token_ids)
             self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-            seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
             if not step.sample:
                 continue
             row = rows[seq.seq_id]  # the first of len(step.choices) rows
@@ -250,18 +268,41 @@ class Scheduler:
         return events
 
     def _emit(self, seq: SeqState, result: StepResult, row: int, now: float) -> list[Event]:
-        token_id = result.token_ids[row]
-        seq.output_ids.append(token_id)
-        self.num_generated_tokens += 1
+        return self._emit_tokens(seq, result.row_tokens()[row], now, self._logprobs(seq, result, row))
+
+    def _emit_verified(self, seq: SeqState, step: SeqStep, result: StepResult, row: int, now: float) -> list[Event]:
+        """A drafted step: the accepted drafts and the sampled token, K/V valid up to the last
+        accepted draft."""
+        tokens = result.row_tokens()[row]
+        num_accepted = len(tokens) - 1
+        seq.draft_k = seq.draft_k.update(len(step.draft_ids), num_accepted)
+        seq.num_computed = step.start_pos + 1 + num_accepted
+        events = self._emit_tokens(seq, tokens, now, None)
+        if seq.seq_id in self._by_seq:  # still running: its verified full blocks become shareable
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        return events
+
+    def _emit_tokens(self, seq: SeqState, tokens: tuple[int, ...], now: float,
+                     logprobs: tuple[TokenLogprob, ...] | None) -> list[Event]:
+        """Append tokens (several after accepted drafts) until one finishes the sequence; the
+        rest are dropped. One Token event with their text."""
+        taken: list[int] = []
+        text, reason = "", None
+        for token_id in tokens:
+            seq.output_ids.append(token_id)
+            taken.append(token_id)
+            piece, reason = seq.stop.push(token_id, seq.detokenizer.push(token_id))
+            text += piece
+            if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
+                text, reason = text + seq.stop.flush(), "length"  # the context or pool is full
+            if reason is not None:
+                break
+        self.num_generated_tokens += len(taken)
         if seq.first_token_s is None:
             seq.first_token_s = now
         seq.last_token_s = now
-        text, reason = seq.stop.push(token_id, seq.detokenizer.push(token_id))
-        if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
-            text, reason = text + seq.stop.flush(), "length"  # the context or pool is full
         seq.text.append(text)
-        events: list[Event] = [Token(seq.request_id, (token_id,), text, now - seq.arrival_s,
-                                     self._logprobs(seq, result, row), seq.index)]
+        events: list[Event] = [Token(seq.request_id, tuple(taken), text, now - seq.arrival_s, logprobs, seq.index)]
         if reason is not None:
             finished = self._finish(seq, reason, now)
             if finished is not None:
@@ -290,15 +331,41 @@ class Scheduler:
                               self.num_preemptions)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _step(self, seq: SeqState, budget: int) -> SeqStep:
+    def _step(self, seq: SeqState, budget: int, drafts: tuple[int, ...] = ()) -> SeqStep:
         token_ids = seq.token_ids
         start = seq.num_computed
-        chunk = tuple(token_ids[start:start + budget])
-        sample = start + len(chunk) == len(token_ids)
+        chunk = tuple(token_ids[start:start + budget]) + drafts
+        sample = start + len(chunk) - len(drafts) == len(token_ids)
         wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
-                       tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices)
+                       tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
+                       drafts)
+
+    def _drafts(self, seq: SeqState, budget: int, copies: list[tuple[int, int]]) -> tuple[int, ...]:
+        """Prompt-lookup drafts for a decoding sequence, their slots reserved; () when
+        speculation is off, the batch is wide, the request reads logprobs or penalties (their
+        distribution moves with every token), or no free block is left for them."""
+        p = seq.params
+        if (self.config.speculative != "ngram" or len(self.running) > self.config.speculate_max_seqs
+                or seq.num_computed != len(seq.prompt_ids) + len(seq.output_ids) - 1 or seq.to_fork
+                or p.logprobs is not None or p.repetition_penalty != 1 or p.presence_penalty
+                or p.frequency_penalty):
+            return ()
+        tokens = seq.token_ids
+        limit = min(seq.draft_k.k, self.config.max_draft_tokens, budget,
+                    seq.max_len - len(tokens) - 1, p.max_tokens - len(seq.output_ids) - 1)
+        drafts = propose_ngram(tokens, max(limit, 0), ngram_min=NGRAM_MIN) if limit > 0 else []
+        need = len(tokens) + len(drafts) - seq.num_slots
+        if drafts and need > 0:
+            appended = self.block_manager.append_slots(seq.seq_id, need)  # None: no room, no drafts
+            if appended is None:
+                return ()
+            seq.block_table = appended.block_ids
+            seq.num_slots += need
+            if appended.copy is not None:
+                copies.append((appended.copy.src_block_id, appended.copy.dst_block_id))
+        return tuple(drafts)
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.

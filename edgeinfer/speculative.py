@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from edgeinfer.sampler import sample_from_probs
+from edgeinfer.sampler import sample_from_probs, seeded_uniform
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
@@ -96,6 +96,18 @@ def verify_sampled(
     token_ids = torch.cat([draft_ids, draft_ids.new_zeros(num_rows, 1)], dim=-1)
     token_ids[rows, num_accepted] = sample_from_probs(dist, uniforms[:, k])
     return token_ids, num_accepted + 1
+
+
+def verify_uniforms(seed: int | None, choice: int, step: int, num_drafts: int,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """The (num_drafts + 1,) uniforms verify_sampled takes for one row: the accept tests, then
+    the final draw. Seeded rows derive them from (seed, choice, step) on counter streams 1 and 2
+    (plain sampling uses no stream counter), so seeded output stays reproducible."""
+    if seed is None:
+        return torch.rand(num_drafts + 1, dtype=torch.float64, generator=generator)
+    values = [seeded_uniform(seed, choice, step + j, 1) for j in range(num_drafts)]
+    values.append(seeded_uniform(seed, choice, step, 2))
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def _num_accepted(accepted: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

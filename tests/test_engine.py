@@ -207,3 +207,16 @@ async def test_n_choices_end_to_end(loaded_model, model) -> None:  # noqa: ANN00
     done = three[-1]
     assert isinstance(done, Finished) and sum(isinstance(e, Finished) for e in three) == 1
     assert [c["index"] for c in done.choices] == [0, 1, 2] and done.usage.completion_tokens == 18
+
+
+async def test_speculative_engine_matches_plain_greedy(loaded_model, model) -> None:  # noqa: ANN001
+    text = ("Copy this exactly: the quick brown fox jumps over the lazy dog; the quick brown fox jumps "
+            "over the lazy dog; the quick brown fox")
+    prompt = tuple(loaded_model.tokenizer.encode(text))
+    reqs = [("spec", prompt, 24)]
+    engine = make_engine(loaded_model, model, 64, speculative="ngram")
+    with anyio.fail_after(TIMEOUT_S):
+        async with engine:
+            batched = await generate_all(engine, reqs)
+    assert any(len(e.token_ids) > 1 for e in batched["spec"] if isinstance(e, Token))  # drafts accepted
+    await check_same_as_alone(loaded_model, model, batched, reqs)

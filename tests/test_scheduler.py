@@ -65,9 +65,11 @@ class FakePool:
 class FakeRunner:
     """Stands in for ModelRunner: `logits(chunks)` -> one (VOCAB,) row per chunk."""
 
-    def __init__(self, num_blocks: int = 8, block_size: int = 4, on_step=None) -> None:  # noqa: ANN001
+    def __init__(self, num_blocks: int = 8, block_size: int = 4, on_step=None,  # noqa: ANN001
+                 logits_fn=None) -> None:  # noqa: ANN001
         self.pool = FakePool(num_blocks, block_size)
         self.on_step = on_step  # called with the chunks before each step (tests hook in here)
+        self.logits_fn = logits_fn or fake_logits  # context -> (VOCAB,) next-token logits
         self.steps: list[list[SeqChunk]] = []
 
     def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -75,14 +77,15 @@ class FakeRunner:
             self.on_step(chunks)
         self.steps.append(chunks)
         bs, slots = self.pool.block_size, self.pool.slots
-        rows = torch.zeros(len(chunks), VOCAB)
-        for row, chunk in enumerate(chunks):
+        rows = []
+        for chunk in chunks:
             slot = lambda pos: chunk.block_table[pos // bs] * bs + pos % bs  # noqa: B023
             for k, token_id in enumerate(chunk.token_ids):
                 slots[slot(chunk.start_pos + k)] = token_id
-            context = [slots[slot(pos)] for pos in range(chunk.start_pos + len(chunk.token_ids))]
-            rows[row] = fake_logits(context)
-        return rows
+            end = chunk.start_pos + len(chunk.token_ids)
+            for last in range(end - chunk.num_logits, end):  # one row per wanted position
+                rows.append(self.logits_fn([slots[slot(pos)] for pos in range(last + 1)]))
+        return torch.stack(rows)
 
 
 def fake_logits(context: list[int]) -> torch.Tensor:
@@ -101,8 +104,9 @@ class Letters:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
-def make(num_blocks: int = 8, block_size: int = 4, **config) -> tuple[Scheduler, ModelActor]:  # noqa: ANN003
-    runner = FakeRunner(num_blocks, block_size)
+def make(num_blocks: int = 8, block_size: int = 4, logits_fn=None,  # noqa: ANN001
+         **config) -> tuple[Scheduler, ModelActor]:  # noqa: ANN003
+    runner = FakeRunner(num_blocks, block_size, logits_fn=logits_fn)
     cfg = SchedulerConfig(**{"max_num_seqs": 4, "max_num_batched_tokens": 16, "kv_watermark": 0.0, **config})
     sched = Scheduler(cfg, num_blocks=num_blocks, block_size=block_size, max_model_len=64, vocab_size=VOCAB,
                       eos_token_ids=(EOS,), bytes_per_token=10, make_detokenizer=Letters)

@@ -549,6 +549,18 @@ def test_real_model_streams_its_own_tokens_and_frees_kv_on_disconnect():
                 bad = await collect(client.generate("x", max_tokens=2, logit_bias={"10000000": 1}))
                 assert bad[-1]["type"] == "error" and bad[-1]["code"] == "invalid_params"
 
+                # n = 2: each choice streams its own frames (index), one done lists both.
+                two = await collect(client.generate(prompt, max_tokens=5, temperature=1.0, seed=4, n=2,
+                                                    ignore_eos=True))
+                assert two[0]["type"] == "accepted" and two[-1]["type"] == "done"
+                assert sum(e["type"] == "done" for e in two) == 1
+                per_choice = [[t for e in two[1:-1] if e.get("index", 0) == i for t in e["token_ids"]]
+                              for i in range(2)]
+                assert [len(c) for c in per_choice] == [5, 5]
+                choices = two[-1]["choices"]
+                assert [c["index"] for c in choices] == [0, 1]
+                assert choices[1]["text"] == "".join(e["text"] for e in two[1:-1] if e.get("index") == 1)
+
             # A client that goes away mid-answer: its sequence's KV blocks are freed.
             raw = await connect(server.url, TOKEN)
             stream = raw.generate("Tell me a long story", max_tokens=400, ignore_eos=True)

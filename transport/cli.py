@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from edgeinfer.cli import add_runtime_args, model_path, runtime_config
+from edgeinfer.config import SchedulerConfig
 from transport import auth, daemon
 from transport.server import ServerConfig
 
@@ -25,6 +26,9 @@ def _serve_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     add_runtime_args(p)
+    p.add_argument("--speculative", choices=("off", "ngram"), default="off",
+                   help="prompt-lookup speculative decoding while at most 2 requests run (helps answers "
+                        "that copy the prompt: rewrites, edits, quotes)")
     p.add_argument("--echo", action="store_true", help="serve the model-free echo engine (testing clients)")
     p.add_argument("--max-connections", type=int, default=128)
     p.add_argument("--max-requests-per-connection", type=int, default=16)
@@ -51,7 +55,8 @@ def serve_main(argv: list[str]) -> int:
                               max_frame_bytes=args.max_frame_bytes, drain_timeout_s=args.drain_timeout,
                               allowed_origins=tuple(args.allow_origin))
         config = ServiceConfig(server, None if args.echo else str(model_path(args.model)), runtime_config(args),
-                               echo=args.echo, state_dir=args.daemon_state)
+                               SchedulerConfig(speculative=args.speculative), echo=args.echo,
+                               state_dir=args.daemon_state)
         return asyncio.run(run_service(config))
     except (ValueError, OSError, RuntimeError) as exc:  # bad flags, port in use, token file, daemon lock
         print(f"edgeinfer serve: error: {exc}", file=sys.stderr)

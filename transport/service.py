@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgeinfer.config import RuntimeConfig
+from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from transport import auth, daemon
 from transport.echo_engine import EchoEngine, EchoRequest
 from transport.server import RequestFactory, Server, ServerConfig, engine_request_factory
@@ -31,6 +31,7 @@ class ServiceConfig:
     server: ServerConfig
     model_path: str | None  # None with echo
     runtime: RuntimeConfig = RuntimeConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     echo: bool = False  # serve transport.echo_engine instead of a model
     state_dir: str | None = None  # daemon mode
 
@@ -41,8 +42,8 @@ def echo_request_factory(request_id: str, prompt: str | None, prompt_token_ids: 
 
 
 @contextlib.asynccontextmanager
-async def open_engine(model_path: str | None, runtime: RuntimeConfig,
-                      echo: bool = False) -> AsyncIterator[tuple[Any, RequestFactory, str]]:
+async def open_engine(model_path: str | None, runtime: RuntimeConfig, echo: bool = False,
+                      scheduler: SchedulerConfig | None = None) -> AsyncIterator[tuple[Any, RequestFactory, str]]:
     """(engine, request factory, model name), started; the echo engine needs no model."""
     if echo:
         async with EchoEngine(token_delay_s=0.01) as engine:
@@ -51,7 +52,7 @@ async def open_engine(model_path: str | None, runtime: RuntimeConfig,
     from edgeinfer.engine import Engine, EngineConfig  # loads torch: only when a model is served
 
     assert model_path is not None, "a model path is required unless echo is set"
-    async with Engine(EngineConfig(str(model_path), runtime)) as engine:
+    async with Engine(EngineConfig(str(model_path), runtime, scheduler or SchedulerConfig())) as engine:
         yield engine, engine_request_factory, Path(model_path).name
 
 
@@ -64,7 +65,8 @@ async def run_service(config: ServiceConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         log.info("loading %s", "the echo engine" if config.echo else config.model_path)
-        async with open_engine(config.model_path, config.runtime, config.echo) as (engine, factory, name):
+        async with open_engine(config.model_path, config.runtime, config.echo, config.scheduler) as (
+                engine, factory, name):
             async with Server(engine, config.server, factory, name) as server:
                 if state_dir is not None:
                     daemon.write_state(state_dir, daemon.DaemonState(
