@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -279,26 +280,56 @@ def check_config(config: GemmConfig, group_size: int, smallest_block_k: int, wha
 # ---- public entry point ---------------------------------------------------------------------------
 
 
-def _launch(x: torch.Tensor, weight: Int4Weight, config: GemmConfig) -> torch.Tensor:
+def launch(kernel: Callable, x: torch.Tensor, n: int, weight_args: tuple[torch.Tensor, ...],
+           weight_strides: tuple[int, int], group_size: int, config: GemmConfig) -> torch.Tensor:
+    """Run a weight-only GEMM kernel of the shared signature (x, *weight tensors, y, sizes,
+    strides, meta-parameters) with ``config``; split-K partial sums accumulate in fp32."""
     m, k = x.shape
-    n = weight.shape[0]
     split_k = min(config.split_k, k // config.block_k)
     if split_k > 1:
         y = torch.zeros((m, n), device=x.device, dtype=torch.float32)
     else:
         y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split_k)
-    _int4_gemm_kernel[grid](
-        x, weight.qweight, weight.scales, weight.mins, y,
+    kernel[grid](
+        x, *weight_args, y,
         m, n, k,
-        x.stride(0), x.stride(1), weight.qweight.stride(0), weight.scales.stride(0),
+        x.stride(0), x.stride(1), *weight_strides,
         y.stride(0), y.stride(1),
-        GROUP_SIZE=weight.group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP_SIZE=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=split_k, GROUP_M=8,
         DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu"),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y.to(x.dtype)
+
+
+class PreparedWeight(Protocol):
+    """What weight_only_gemm reads of an Int4Weight or Int8Weight."""
+
+    shape: tuple[int, int]
+    group_size: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+
+def weight_only_gemm(what: str, x: torch.Tensor, weight: PreparedWeight, smallest_block_k: int,
+                     run: Callable[[GemmConfig], torch.Tensor], config: GemmConfig | None) -> torch.Tensor:
+    """The checks and launch-configuration choice int4_gemm and int8_gemm share; ``run(config)``
+    launches the kernel."""
+    check_activation(x, weight.shape, weight.qweight.device, what)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0:
+        return x.new_empty((0, n))
+    if config is None:
+        block_k = largest_block_k(weight.group_size, smallest_block_k)
+        candidates = candidate_configs(m, n, k, block_k, num_sms(x.device))
+        key = (what, m_bucket(m), n, k, weight.group_size, x.dtype, weight.scales.dtype, x.device)
+        config = choose_config(key, x, candidates, run)
+    else:
+        check_config(config, weight.group_size, smallest_block_k, what)
+    return run(config)
 
 
 def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, config: GemmConfig | None = None) -> torch.Tensor:
@@ -309,16 +340,7 @@ def int4_gemm(x: torch.Tensor, weight: Int4Weight, *, config: GemmConfig | None 
     """
     if not isinstance(weight, Int4Weight):
         raise ValueError(f"int4_gemm needs an Int4Weight from prepare_int4, got {type(weight).__name__}")
-    check_activation(x, weight.shape, weight.qweight.device, "int4_gemm")
-    m, k = x.shape
-    n = weight.shape[0]
-    if m == 0:
-        return x.new_empty((0, n))
-    if config is None:
-        block_k = largest_block_k(weight.group_size, 32)
-        candidates = candidate_configs(m, n, k, block_k, num_sms(x.device))
-        key = ("int4", m_bucket(m), n, k, weight.group_size, x.dtype, weight.scales.dtype, x.device)
-        config = choose_config(key, x, candidates, lambda c: _launch(x, weight, c))
-    else:
-        check_config(config, weight.group_size, 32, "int4_gemm")
-    return _launch(x, weight, config)
+    args = (weight.qweight, weight.scales, weight.mins)
+    strides = (weight.qweight.stride(0), weight.scales.stride(0))
+    return weight_only_gemm("int4_gemm", x, weight, 32, lambda c: launch(
+        _int4_gemm_kernel, x, weight.shape[0], args, strides, weight.group_size, c), config)

@@ -23,16 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_gemm import (
-    GemmConfig,
-    candidate_configs,
-    check_activation,
-    check_config,
-    choose_config,
-    largest_block_k,
-    m_bucket,
-    num_sms,
-)
+from kernels.int4_gemm import GemmConfig, launch, weight_only_gemm
 from quant.formats import QuantizedTensor
 
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,28 +137,6 @@ def prepare_int8(weight: QuantizedTensor) -> Int8Weight:
     )
 
 
-def _launch(x: torch.Tensor, weight: Int8Weight, config: GemmConfig) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
-    split_k = min(config.split_k, k // config.block_k)
-    if split_k > 1:
-        y = torch.zeros((m, n), device=x.device, dtype=torch.float32)
-    else:
-        y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split_k)
-    _int8_gemm_kernel[grid](
-        x, weight.qweight, weight.scales, y,
-        m, n, k,
-        x.stride(0), x.stride(1), weight.qweight.stride(0), weight.scales.stride(0),
-        y.stride(0), y.stride(1),
-        GROUP_SIZE=weight.group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT_K=split_k, GROUP_M=8,
-        DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu"),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return y.to(x.dtype)
-
-
 def int8_gemm(x: torch.Tensor, weight: Int8Weight, *, config: GemmConfig | None = None) -> torch.Tensor:
     """y (M, N) = x (M, K) @ W.T for an int8 weight from ``prepare_int8``; y has x's dtype.
 
@@ -176,16 +145,7 @@ def int8_gemm(x: torch.Tensor, weight: Int8Weight, *, config: GemmConfig | None 
     """
     if not isinstance(weight, Int8Weight):
         raise ValueError(f"int8_gemm needs an Int8Weight from prepare_int8, got {type(weight).__name__}")
-    check_activation(x, weight.shape, weight.qweight.device, "int8_gemm")
-    m, k = x.shape
-    n = weight.shape[0]
-    if m == 0:
-        return x.new_empty((0, n))
-    if config is None:
-        block_k = largest_block_k(weight.group_size, 16)
-        candidates = candidate_configs(m, n, k, block_k, num_sms(x.device))
-        key = ("int8", m_bucket(m), n, k, weight.group_size, x.dtype, weight.scales.dtype, x.device)
-        config = choose_config(key, x, candidates, lambda c: _launch(x, weight, c))
-    else:
-        check_config(config, weight.group_size, 16, "int8_gemm")
-    return _launch(x, weight, config)
+    args = (weight.qweight, weight.scales)
+    strides = (weight.qweight.stride(0), weight.scales.stride(0))
+    return weight_only_gemm("int8_gemm", x, weight, 16, lambda c: launch(
+        _int8_gemm_kernel, x, weight.shape[0], args, strides, weight.group_size, c), config)
