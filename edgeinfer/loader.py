@@ -15,9 +15,7 @@ import torch
 from edgeinfer.config import ModelConfig
 from edgeinfer.tokenizer import Tokenizer
 from quant.formats import QuantizedTensor
-from quant.gguf_import import ModelFileError
-
-GGUF_MAGIC = b"GGUF"
+from quant.gguf_import import ModelFileError, require_gguf_file
 
 
 @dataclass(frozen=True)
@@ -33,10 +31,7 @@ def load_model(path: str | Path) -> LoadedModel:
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}) nor a model folder")
+        require_gguf_file(path)
         from quant.gguf_import import load_gguf
 
         gguf = load_gguf(path)

@@ -36,7 +36,7 @@ from edgeinfer.config import ModelConfig
 from edgeinfer.tokenizer import Tokenizer
 from quant.checkpoint import check_destination, save_checkpoint
 from quant.formats import GROUP_SIZES, QuantizedTensor, quantize_int4, quantize_int8
-from quant.gguf_import import ModelFileError, check_weights
+from quant.gguf_import import ModelFileError, check_weights, require_gguf_file
 from quant.nf4 import quantize_nf4
 
 Weight = torch.Tensor | QuantizedTensor
@@ -114,10 +114,7 @@ def open_source(path: str | Path) -> Source:
     if not path.exists():
         raise FileNotFoundError(f"source model not found: {path}")
     if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}) nor a model folder")
+        require_gguf_file(path)
         source = _open_gguf(path)
     else:
         source = _open_hf(path)

@@ -25,7 +25,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from quant.formats import QuantizedTensor
-from quant.gguf_reader import GGUFFile, GGUFFormatError, TensorInfo, open_gguf
+from quant.gguf_reader import GGUF_MAGIC, GGUFFile, GGUFFormatError, TensorInfo, open_gguf
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,14 @@ _GLOBAL_NAMES = {
 
 class ModelFileError(ValueError):
     """A model file that cannot be used: wrong architecture, truncated, missing tensors."""
+
+
+def require_gguf_file(path: Path) -> None:
+    """Raise ModelFileError unless the file at ``path`` starts with the GGUF magic."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}) nor a model folder")
 
 
 Weight = torch.Tensor | QuantizedTensor
