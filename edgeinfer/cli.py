@@ -184,7 +184,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return chat_main(args)
 
 
-def _return_large_frees_to_the_os() -> None:
+def return_large_frees_to_the_os() -> None:
     """glibc raises its mmap threshold after large frees, so per-call prefill buffers (a
     dequantized weight, ~7 MB) then stay in the heap and RSS creeps up by ~100 MB. A fixed 1 MiB
     threshold returns them at once; measured: peak RSS of `bench` 492 -> 434 MB."""
@@ -200,7 +200,7 @@ def _return_large_frees_to_the_os() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _return_large_frees_to_the_os()
+    return_large_frees_to_the_os()
     # Subcommands implemented elsewhere take their own argv.
     if argv and argv[0] in ("quantize", "eval-ppl", "serve", "daemon"):
         if argv[0] in ("quantize", "eval-ppl"):

@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from edgeinfer.cli import add_runtime_args, model_path, runtime_config
+from edgeinfer.cli import add_runtime_args, model_path, return_large_frees_to_the_os, runtime_config
 from edgeinfer.config import SchedulerConfig
 from transport import auth, daemon
 from transport.server import ServerConfig
@@ -44,6 +44,7 @@ def serve_main(argv: list[str]) -> int:
     from transport.service import ServiceConfig, run_service
 
     args = _serve_parser("edgeinfer serve").parse_args(argv)
+    return_large_frees_to_the_os()  # also when the daemon starts this module directly
     logging.basicConfig(level=logging.INFO if args.verbose or args.daemon_state else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:  # websockets logs every HTTP response and close at INFO
