@@ -26,7 +26,7 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from edgeinfer.actor import ActorRef, Envelope
-from edgeinfer.events import ENGINE_CLOSED, INTERNAL, Error, Event, Finished, RequestError
+from edgeinfer.events import ENGINE_CLOSED, INTERNAL, Error, Event, Finished, RequestError, Token
 from edgeinfer.sampling_params import SamplingParams
 from edgeinfer.scheduler import Scheduler
 
@@ -99,10 +99,12 @@ class SchedulerActor:
         # Cannot be empty: a waiting request is always admitted when nothing runs.
         assert plan.seqs, "the scheduler planned an empty step while it has work"
         result = await self._model.ask(plan)
-        for event in self.scheduler.postprocess(plan, result):
+        events = self.scheduler.postprocess(plan, result)
+        for event in events:
             self._send(event)
         self._num_steps += 1
-        self._publish_stats(sum(1 for s in plan.seqs if s.sample))
+        # Tokens, not steps: a step emits several for n > 1 forks and accepted drafts.
+        self._publish_stats(sum(len(e.token_ids) for e in events if isinstance(e, Token)))
 
     def _submit(self, msg: Submit) -> None:
         try:
