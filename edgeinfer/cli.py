@@ -39,14 +39,17 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
                    help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
-    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES)
+    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES, help="K and V cache format")
+    p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")
+    p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V cache format (overrides --kv-dtype)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
-                         num_threads=args.threads, cuda_graphs=args.cuda_graphs)
+                         k_dtype=args.k_dtype, v_dtype=args.v_dtype, num_threads=args.threads,
+                         cuda_graphs=args.cuda_graphs)
 
 
 def _load(args: argparse.Namespace) -> tuple[LoadedModel, LlamaModel]:

@@ -67,3 +67,10 @@ def test_beam_search_refuses_sampling_flags(default_model_path) -> None:
     result = _edgeinfer("generate", "hi", "--beam-width", "2", "--temperature", "0.7", model=default_model_path)
     assert result.returncode == 2
     assert "--temperature" in result.stderr
+
+
+def test_separate_key_and_value_cache_formats(default_model_path) -> None:
+    result = _edgeinfer("generate", "What is the capital of France?", "--max-tokens", "16", "--k-dtype", "int8",
+                        "--v-dtype", "int4", model=default_model_path)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
