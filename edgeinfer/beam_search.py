@@ -61,42 +61,70 @@ class Hypothesis:
     finish_reason: str  # "eos" or "length"
 
 
-def beam_search(prompt_ids: Sequence[int], step_fn: StepFn, params: BeamSearchParams) -> list[Hypothesis]:
-    """The best `params.num_results` hypotheses, best first."""
-    width, eos_ids = params.width, set(params.eos_token_ids)
-    score = lambda logprob, num_tokens: logprob / num_tokens**params.length_penalty
-    beams: list[tuple[tuple[int, ...], float]] = [((), 0.0)]  # (generated token ids, logprob)
-    finished: list[Hypothesis] = []  # best first, at most width
+class BeamState:
+    """One search's progress, advanced a step at a time: `beam_search` loops over it; the
+    scheduler advances it once per model step with the live beams' next-token logprobs."""
 
-    def add(hyp: Hypothesis) -> None:
-        finished.append(hyp)
-        finished.sort(key=lambda h: -h.score)
-        del finished[width:]
+    def __init__(self, params: BeamSearchParams) -> None:
+        self.params = params
+        self.beams: list[tuple[tuple[int, ...], float]] = [((), 0.0)]  # (generated token ids, logprob)
+        self.finished: list[Hypothesis] = []  # best first, at most width
+        self.step = 0
+        self.done = False
 
-    for step in range(1, params.max_tokens + 1):
-        logprobs = step_fn([list(prompt_ids) + list(tokens) for tokens, _ in beams])  # (B, V)
-        beam_logprobs = torch.tensor([lp for _, lp in beams], dtype=torch.float64)
+    @property
+    def num_candidates(self) -> int:
+        """Candidates a step ranks: each beam's top this-many tokens are all it can contribute."""
+        return self.params.width * (1 + len(self.params.eos_token_ids))
+
+    def advance(self, logprobs: torch.Tensor) -> list[int]:
+        """Extend the live beams by (B, V) next-token logprobs (-inf where a token was not scored);
+        returns, for each new live beam, the index of the beam it extends."""
+        p, eos_ids = self.params, set(self.params.eos_token_ids)
+        self.step += 1
+        beam_logprobs = torch.tensor([lp for _, lp in self.beams], dtype=torch.float64)
         candidates = (beam_logprobs[:, None] + logprobs.to(torch.float64)).flatten()  # (B * V,)
-        num_best = min(candidates.numel(), width * (1 + len(eos_ids)))
-        top_values, top_index = candidates.topk(num_best)
-        next_beams = []
+        top_values, top_index = candidates.topk(min(candidates.numel(), self.num_candidates))
+        next_beams, parents = [], []
         for rank, (value, index) in enumerate(zip(top_values.tolist(), top_index.tolist(), strict=True)):
             if value == -math.inf:
                 break
             beam, token_id = divmod(index, logprobs.shape[-1])
-            tokens = beams[beam][0] + (token_id,)
+            tokens = self.beams[beam][0] + (token_id,)
             if token_id in eos_ids:
-                if rank < width:
-                    add(Hypothesis(tokens, value, score(value, step), "eos"))
-            elif len(next_beams) < width:
+                if rank < p.width:
+                    self._add(Hypothesis(tokens, value, self._score(value, self.step), "eos"))
+            elif len(next_beams) < p.width:
                 next_beams.append((tokens, value))
-        beams = next_beams
-        if not beams or _done(params, finished, beams[0][1], step, score):
-            break
-    else:
-        for tokens, value in beams:
-            add(Hypothesis(tokens, value, score(value, len(tokens)), "length"))
-    return finished[:params.num_results]
+                parents.append(beam)
+        self.beams = next_beams
+        if not next_beams or _done(p, self.finished, next_beams[0][1], self.step, self._score):
+            self.done = True
+        elif self.step == p.max_tokens:
+            for tokens, value in next_beams:
+                self._add(Hypothesis(tokens, value, self._score(value, len(tokens)), "length"))
+            self.done = True
+        return parents
+
+    def results(self) -> list[Hypothesis]:
+        """The best `num_results` hypotheses, best first (complete once `done`)."""
+        return self.finished[:self.params.num_results]
+
+    def _score(self, logprob: float, num_tokens: int) -> float:
+        return logprob / num_tokens**self.params.length_penalty
+
+    def _add(self, hyp: Hypothesis) -> None:
+        self.finished.append(hyp)
+        self.finished.sort(key=lambda h: -h.score)
+        del self.finished[self.params.width:]
+
+
+def beam_search(prompt_ids: Sequence[int], step_fn: StepFn, params: BeamSearchParams) -> list[Hypothesis]:
+    """The best `params.num_results` hypotheses, best first."""
+    state = BeamState(params)
+    while not state.done:
+        state.advance(step_fn([list(prompt_ids) + list(tokens) for tokens, _ in state.beams]))
+    return state.results()
 
 
 def _done(params: BeamSearchParams, finished: list[Hypothesis], best_logprob: float, step: int,
