@@ -36,6 +36,9 @@ class SeqStep:
     # Prompt-lookup drafts riding on a decode step: token_ids is (last token, *draft_ids), the
     # model verifies them and returns the accepted ones plus one sampled token.
     draft_ids: tuple[int, ...] = ()
+    # A beam's row: reply this many best next tokens with their log-probabilities (top_logprobs)
+    # instead of a sample; the scheduler's beam search picks among them.
+    beam_candidates: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:

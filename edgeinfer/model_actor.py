@@ -26,7 +26,7 @@ from edgeinfer.llm import build_model, graph_batch_sizes
 from edgeinfer.loader import LoadedModel
 from edgeinfer.messages import StepPlan, StepResult
 from edgeinfer.model_runner import ModelRunner, SeqChunk
-from edgeinfer.sampler import SamplingBatch, sample, sampling_probs
+from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs
 from edgeinfer.speculative import verify_sampled, verify_uniforms
 from kernels.kv_pool import KVPool, kv_bytes_per_token
 
@@ -82,20 +82,23 @@ class ModelActor:
                   for s in plan.seqs]
         logits = self.runner.logits(chunks)
         ends = torch.tensor([c.num_logits for c in chunks]).cumsum(0).tolist()
-        plain = [i for i, s in enumerate(plan.seqs) if s.sample and not s.draft_ids]
+        plain = [i for i, s in enumerate(plan.seqs) if s.sample and not s.draft_ids and not s.beam_candidates]
         drafted = [i for i, s in enumerate(plan.seqs) if s.sample and s.draft_ids]
-        if not plain and not drafted:
+        beams = [i for i, s in enumerate(plan.seqs) if s.sample and s.beam_candidates]
+        if not plain and not drafted and not beams:
             return StepResult(plan.step_id, (), ())
         rows: dict[int, list[tuple[tuple[int, ...], float, tuple]]] = {}  # seq index -> (tokens, logprob, top)
         if plain:
             self._sample_plain(plan, plain, logits[[ends[i] - 1 for i in plain for _ in plan.seqs[i].choices]], rows)
         if drafted:
             self._verify_drafts(plan, drafted, logits, ends, rows)
+        if beams:
+            self._beam_candidates(plan, beams, logits[[ends[i] - 1 for i in beams]], rows)
         order = [(plan.seqs[i].seq_id, row) for i in sorted(rows) for row in rows[i]]
         seq_ids = tuple(seq_id for seq_id, _ in order)
         token_ids = tuple(t for _, (tokens, _, _) in order for t in tokens)
         num_emitted = tuple(len(tokens) for _, (tokens, _, _) in order) if drafted else None
-        wants_logprobs = any(plan.seqs[i].params.logprobs is not None for i in plain)
+        wants_logprobs = bool(beams) or any(plan.seqs[i].params.logprobs is not None for i in plain)
         logprobs = tuple(lp for _, (_, lp, _) in order) if wants_logprobs else None
         top = tuple(t for _, (_, _, t) in order) if wants_logprobs else None
         return StepResult(plan.step_id, seq_ids, token_ids, logprobs, top, num_emitted)
@@ -122,6 +125,19 @@ class ModelActor:
                 top = tuple(zip(top_ids[r][:k], top_lps[r][:k], strict=True)) if top_ids is not None else ()
                 rows.setdefault(i, []).append(((token_ids[r],), chosen[r], top))
                 r += 1
+
+    def _beam_candidates(self, plan: StepPlan, indices: list[int], logits: torch.Tensor,
+                         rows: dict[int, list]) -> None:
+        """Each beam row's best next tokens by log-probability of its logits (logit_bias applied)."""
+        seqs = [plan.seqs[i] for i in indices]
+        batch = SamplingBatch.from_params([s.params for s in seqs], [s.prompt_ids for s in seqs],
+                                          [s.output_ids for s in seqs], self.vocab_size, self.eos_token_ids,
+                                          device=logits.device)
+        logprobs = torch.log_softmax(processed_logits(logits, batch), dim=-1)
+        top_lps, top_ids = logprobs.topk(max(s.beam_candidates for s in seqs), dim=-1)
+        for i, s, ids, lps in zip(indices, seqs, top_ids.tolist(), top_lps.tolist(), strict=True):
+            k = s.beam_candidates
+            rows[i] = [((ids[0],), lps[0], tuple(zip(ids[:k], lps[:k], strict=True)))]
 
     def _verify_drafts(self, plan: StepPlan, indices: list[int], logits: torch.Tensor, ends: list[int],
                        rows: dict[int, list]) -> None:

@@ -24,6 +24,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
 # Bounds on what one client may make every decode step pay for (stop matching is per token).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_BEAM_WIDTH = 16
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (division would overflow anyway)
 
 
@@ -52,6 +53,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Beam search instead of sampling when > 0: the n best of beam_width beams, each scored
+    # logprob / length ** length_penalty; sampling fields other than logit_bias do not apply.
+    beam_width: int = 0
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -102,6 +107,17 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if token_id < 0:
                 _fail("stop_token_ids", token_id, "has a negative token id")
+        if not 0 <= self.beam_width <= MAX_BEAM_WIDTH:
+            _fail("beam_width", self.beam_width, f"must be in [0, {MAX_BEAM_WIDTH}] (0: sampling)")
+        if not math.isfinite(self.length_penalty):
+            _fail("length_penalty", self.length_penalty, "must be a finite number")
+        if self.beam_width:
+            if self.n > self.beam_width:
+                _fail("n", self.n, f"must be <= beam_width={self.beam_width} (the n best beams are returned)")
+            for name, off in (("stop", ()), ("logprobs", None), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+                if getattr(self, name) != off:
+                    _fail(name, getattr(self, name), "is not supported with beam search")
 
     @property
     def is_greedy(self) -> bool:
@@ -193,4 +209,5 @@ _KINDS = MappingProxyType({
     "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
     "logit_bias": "bias", "seed": "int", "n": "int", "logprobs": "int", "max_tokens": "int",
     "min_tokens": "int", "stop": "stop", "stop_token_ids": "ids", "ignore_eos": "bool",
+    "beam_width": "int", "length_penalty": "float",
 })

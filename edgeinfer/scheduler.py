@@ -37,6 +37,15 @@ returns the accepted drafts plus one sampled token (edgeinfer.speculative's reje
 the output distribution is the target's). Rejected drafts' slots stay reserved and are simply
 overwritten later (num_slots may exceed the tokens). num_computed then counts only verified
 tokens. Each sequence's AdaptiveK sets its draft length from its acceptance rate.
+
+Beam search (SamplingParams.beam_width > 0). The request starts as one sequence; every live
+beam is an ordinary running sequence whose sampling step instead returns its best next tokens
+with log-probabilities (SeqStep.beam_candidates). Once every live beam of the group has
+reported (usually in one step; a preempted beam reports after its recompute), the group's
+BeamState picks the next beams, each forked from its parent in the block manager (shared blocks,
+copy-on-write on the first append), and the parents are released. Nothing streams during the
+search: when it ends, each of the n best hypotheses comes as one Token event (its index), then
+one Finished listing them with their scores.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
+from edgeinfer.beam_search import BeamSearchParams, BeamState
 from edgeinfer.block_manager import BlockManager
 from edgeinfer.config import SchedulerConfig
 from edgeinfer.events import (
@@ -76,6 +88,18 @@ class Detokenizer(Protocol):
 
 
 @dataclass
+class BeamGroup:
+    """A beam search request's live beams (aligned with state.beams) and this round's reports."""
+
+    request_id: str
+    prompt_len: int
+    arrival_s: float
+    state: BeamState
+    seqs: list[SeqState]
+    reported: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)  # seq id -> candidates
+
+
+@dataclass
 class SeqState:
     seq_id: int
     request_id: str
@@ -89,6 +113,7 @@ class SeqState:
     draft_k: AdaptiveK = field(default_factory=AdaptiveK)  # speculative draft length
     to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
     finish_reason: str | None = None
+    beam: BeamGroup | None = None
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V is in the pool
@@ -149,9 +174,10 @@ class Scheduler:
             raise RequestError(INVALID_PARAMS, f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise RequestError(INVALID_PARAMS, "the prompt is empty")
-        if params.n > self.config.max_num_seqs:
-            raise RequestError(INVALID_PARAMS, f"n is {params.n}; at most max_num_seqs = "
-                                               f"{self.config.max_num_seqs} choices run at once")
+        width = max(params.n, params.beam_width)
+        if width > self.config.max_num_seqs:
+            raise RequestError(INVALID_PARAMS, f"n / beam_width is {width}; at most max_num_seqs = "
+                                               f"{self.config.max_num_seqs} sequences run at once")
         try:
             params.check_vocab(self.vocab_size)
         except InvalidParams as exc:
@@ -166,12 +192,18 @@ class Scheduler:
             raise RequestError(OVERLOADED, f"{len(self.waiting)} requests are already waiting",
                                self.config.retry_after_s)
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
-        if self._lifetime_blocks(len(prompt_ids), max_len, params.n) > self.block_manager.num_blocks:
+        if self._lifetime_blocks(len(prompt_ids), max_len, width) > self.block_manager.num_blocks:
             raise RequestError(INVALID_PARAMS, (
-                f"n = {params.n} choices of {max_len} tokens do not fit the KV pool of "
-                f"{self.block_manager.num_blocks * self.block_size} tokens; lower n or max_tokens"))
+                f"{width} sequences of {max_len} tokens (n / beam_width) do not fit the KV pool of "
+                f"{self.block_manager.num_blocks * self.block_size} tokens; lower n, beam_width or max_tokens"))
         seq = SeqState(self._next_seq_id, request_id, tuple(prompt_ids), params, max_len, self._clock(),
-                       self._make_detokenizer(), StopChecker(params, self.eos_token_ids), to_fork=params.n - 1)
+                       self._make_detokenizer(), StopChecker(params, self.eos_token_ids),
+                       to_fork=0 if params.beam_width else params.n - 1)
+        if params.beam_width:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            search = BeamSearchParams(params.beam_width, max_len - len(prompt_ids), params.n, params.length_penalty,
+                                      eos_token_ids=tuple(dict.fromkeys((*eos, *params.stop_token_ids))))
+            seq.beam = BeamGroup(request_id, len(prompt_ids), seq.arrival_s, BeamState(search), [seq])
         self._next_seq_id += 1
         position = len(self.waiting)
         self.waiting.append(seq)
@@ -212,6 +244,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.beam is not None and seq.seq_id in seq.beam.reported:
+                i += 1  # waits for the rest of its group before it has a new token
+                continue
             if seq.num_slots < len(seq.prompt_ids) + len(seq.output_ids):
                 fits, copy, did_preempt = self._append_or_preempt(seq)
                 preempted |= did_preempt
@@ -259,6 +294,12 @@ class Scheduler:
             seq.num_computed = step.start_pos + len(step.token_ids)
             self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
             if not step.sample:
+                continue
+            if step.beam_candidates:
+                assert seq.beam is not None and result.top_logprobs is not None
+                seq.beam.reported[seq.seq_id] = result.top_logprobs[rows[seq.seq_id]]
+                if len(seq.beam.reported) == len(seq.beam.seqs):
+                    events.extend(self._advance_beams(seq.beam, now))
                 continue
             row = rows[seq.seq_id]  # the first of len(step.choices) rows
             # Fork before the parent takes its token: children share the prompt, not its output.
@@ -309,6 +350,67 @@ class Scheduler:
                 events.append(finished)
         return events
 
+    def _advance_beams(self, group: BeamGroup, now: float) -> list[Event]:
+        """Every live beam reported: pick the next beams, fork them from their parents, release
+        the parents; at the end of the search, the results."""
+        logprobs = torch.full((len(group.seqs), self.vocab_size), -torch.inf)
+        for row, seq in enumerate(group.seqs):
+            for token_id, logprob in group.reported[seq.seq_id]:
+                logprobs[row, token_id] = logprob
+        parents = group.state.advance(logprobs)
+        children = [] if group.state.done else [
+            self._beam_child(group.seqs[p], tokens) for p, (tokens, _) in zip(parents, group.state.beams, strict=True)]
+        for seq in group.seqs:  # after the forks: children keep the blocks they share
+            self._drop(seq)
+        group.seqs, group.reported = children, {}
+        self.num_generated_tokens += len(parents)
+        if group.state.done:
+            return self._beam_results(group, now)
+        self._by_request[group.request_id] = list(children)
+        return []
+
+    def _beam_child(self, parent: SeqState, tokens: tuple[int, ...]) -> SeqState:
+        """A new beam with output ``tokens``: parent's blocks shared, or, if the parent was
+        preempted while its group waited, recomputed from the head of the waiting queue."""
+        # The detokenizer and stop checker are never fed for beams: the results are decoded at the end.
+        child = SeqState(self._next_seq_id, parent.request_id, parent.prompt_ids, parent.params, parent.max_len,
+                         parent.arrival_s, parent.detokenizer, parent.stop, beam=parent.beam,
+                         output_ids=list(tokens))
+        self._next_seq_id += 1
+        child.num_cached_tokens, child.first_scheduled_s = parent.num_cached_tokens, parent.first_scheduled_s
+        self._by_seq[child.seq_id] = child
+        if parent.num_slots:
+            child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
+            child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)
+        return child
+
+    def _drop(self, seq: SeqState) -> None:
+        """Take a beam's sequence out of its queue and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _beam_results(self, group: BeamGroup, now: float) -> list[Event]:
+        """The finished search: one Token event per result (its index), then the Finished."""
+        events: list[Event] = []
+        choices = []
+        for index, hyp in enumerate(group.state.results()):
+            detokenizer = self._make_detokenizer()
+            text = "".join(detokenizer.push(t) for t in hyp.token_ids)
+            events.append(Token(group.request_id, hyp.token_ids, text, now - group.arrival_s, None, index))
+            choices.append({"index": index, "text": text, "finish_reason": hyp.finish_reason,
+                            "completion_tokens": len(hyp.token_ids), "score": hyp.score, "logprob": hyp.logprob})
+        del self._by_request[group.request_id]
+        usage = Usage(prompt_tokens=group.prompt_len, completion_tokens=sum(c["completion_tokens"] for c in choices),
+                      ttft_s=now - group.arrival_s, total_time_s=now - group.arrival_s)
+        return events + [Finished(group.request_id, choices[0]["finish_reason"], usage, choices[0]["text"],
+                                  tuple(choices))]
+
     def _fork(self, parent: SeqState, index: int) -> SeqState:
         """Choice ``index`` of parent's request: shares parent's blocks (prompt computed, no output)."""
         child = SeqState(self._next_seq_id, parent.request_id, parent.prompt_ids, parent.params, parent.max_len,
@@ -338,9 +440,10 @@ class Scheduler:
         sample = start + len(chunk) - len(drafts) == len(token_ids)
         wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
+        beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
         return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
                        tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
-                       drafts)
+                       drafts, beam_candidates)
 
     def _drafts(self, seq: SeqState, budget: int, copies: list[tuple[int, int]]) -> tuple[int, ...]:
         """Prompt-lookup drafts for a decoding sequence, their slots reserved; () when
@@ -348,7 +451,7 @@ class Scheduler:
         distribution moves with every token), or no free block is left for them."""
         p = seq.params
         if (self.config.speculative != "ngram" or len(self.running) > self.config.speculate_max_seqs
-                or seq.num_computed != len(seq.prompt_ids) + len(seq.output_ids) - 1 or seq.to_fork
+                or seq.num_computed != len(seq.prompt_ids) + len(seq.output_ids) - 1 or seq.to_fork or seq.beam
                 or p.logprobs is not None or p.repetition_penalty != 1 or p.presence_penalty
                 or p.frequency_penalty):
             return ()
@@ -396,11 +499,16 @@ class Scheduler:
         return own + (n - 1) * (-(-(max_len - prompt_len) // self.block_size) + 1)
 
     def _can_admit(self, seq: SeqState) -> bool:
-        if seq.to_fork and len(self.running) + seq.to_fork + 1 > self.config.max_num_seqs:
-            return False  # its choices join the running batch at the first sample
+        width = seq.to_fork + 1
+        if seq.beam is not None:
+            if seq.beam.state.step:
+                return True  # a beam back from preemption: its group waits on it, blocks permitting
+            width = seq.params.beam_width
+        if width > 1 and len(self.running) + width > self.config.max_num_seqs:
+            return False  # its choices / beams join the running batch at the first sample
         if not self.running:
             return True  # it fits the pool alone (checked at add_request)
-        lifetime = self._lifetime_blocks(len(seq.prompt_ids), seq.max_len, seq.to_fork + 1)
+        lifetime = self._lifetime_blocks(len(seq.prompt_ids), seq.max_len, width)
         return lifetime + self._watermark <= self.block_manager.num_available
 
     def _finish(self, seq: SeqState, reason: str, now: float) -> Finished | None:

@@ -220,3 +220,25 @@ async def test_speculative_engine_matches_plain_greedy(loaded_model, model) -> N
             batched = await generate_all(engine, reqs)
     assert any(len(e.token_ids) > 1 for e in batched["spec"] if isinstance(e, Token))  # drafts accepted
     await check_same_as_alone(loaded_model, model, batched, reqs)
+
+
+async def test_beam_search_through_the_engine_equals_the_offline_search(loaded_model, model) -> None:  # noqa: ANN001
+    from edgeinfer.beam_runner import beam_pool_blocks, beam_search_tokens
+    from edgeinfer.beam_search import BeamSearchParams
+
+    prompt = tuple(loaded_model.tokenizer.encode("The capital of France is"))
+    params = SamplingParams(beam_width=3, n=2, max_tokens=6)
+    engine = make_engine(loaded_model, model, 64)
+    with anyio.fail_after(TIMEOUT_S):
+        async with engine:
+            events = [e async for e in engine.generate(GenerateRequest("beam", prompt_token_ids=prompt, params=params))]
+            assert engine.stats().kv_blocks_used == 0
+    search = BeamSearchParams(3, 6, 2, 1.0, eos_token_ids=tuple(loaded_model.config.eos_token_ids))
+    c = loaded_model.config
+    blocks = beam_pool_blocks(len(prompt), search, 16)
+    runner = ModelRunner(model, KVPool(c.num_layers, blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32"), 16)
+    want = beam_search_tokens(runner, prompt, search)
+    assert [e.token_ids for e in events if isinstance(e, Token)] == [h.token_ids for h in want]
+    done = events[-1]
+    assert isinstance(done, Finished)
+    assert [c["score"] for c in done.choices] == pytest.approx([h.score for h in want], abs=1e-3)
