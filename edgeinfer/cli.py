@@ -115,8 +115,10 @@ def _beam_generate(args: argparse.Namespace, loaded: LoadedModel, model: LlamaMo
                                        ("--draft-model", bool(args.draft_model))) if on]
     if conflicts:
         raise ValueError(f"beam search is deterministic and runs alone: drop {', '.join(conflicts)}")
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     params = BeamSearchParams(width=args.beam_width, max_tokens=args.max_tokens, num_results=args.num_results,
-                              length_penalty=args.length_penalty, eos_token_ids=tuple(loaded.config.eos_token_ids))
+                              length_penalty=args.length_penalty, early_stopping=early,
+                              eos_token_ids=tuple(loaded.config.eos_token_ids))
     runtime = runtime_config(args)
     blocks = beam_pool_blocks(len(prompt_ids), params, runtime.block_size)
     if len(prompt_ids) + params.max_tokens > model.config.max_position:
@@ -234,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-results", type=int, default=1, help="beam search: how many best continuations to print")
     gen.add_argument("--length-penalty", type=float, default=1.0,
                      help="beam search: score = logprob / length ** this (> 0 favours longer answers)")
+    gen.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
+                     help="beam search: stop at width finished beams (true), when no live beam can win by "
+                          "the current-length heuristic (false), or only when none can win at any length (never)")
     gen.add_argument("--speculative", choices=("ngram",), default=None,
                      help="speculative decoding with prompt-lookup drafts (helps when the answer copies the prompt)")
     gen.add_argument("--draft-model", metavar="PATH",

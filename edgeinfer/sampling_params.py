@@ -57,6 +57,7 @@ class SamplingParams:
     # logprob / length ** length_penalty; sampling fields other than logit_bias do not apply.
     beam_width: int = 0
     length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False (heuristic) or "never" (exact); see beam_search
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -111,6 +112,8 @@ class SamplingParams:
             _fail("beam_width", self.beam_width, f"must be in [0, {MAX_BEAM_WIDTH}] (0: sampling)")
         if not math.isfinite(self.length_penalty):
             _fail("length_penalty", self.length_penalty, "must be a finite number")
+        if self.early_stopping not in (True, False, "never"):
+            _fail("early_stopping", self.early_stopping, "must be true, false or \"never\"")
         if self.beam_width:
             if self.n > self.beam_width:
                 _fail("n", self.n, f"must be <= beam_width={self.beam_width} (the n best beams are returned)")
@@ -178,6 +181,10 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             _fail(name, value, "must be true or false")
         return value
+    if kind == "early":
+        if value is not True and value is not False and value != "never":
+            _fail(name, value, 'must be true, false or "never"')
+        return value
     if kind == "stop":
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
@@ -209,5 +216,5 @@ _KINDS = MappingProxyType({
     "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
     "logit_bias": "bias", "seed": "int", "n": "int", "logprobs": "int", "max_tokens": "int",
     "min_tokens": "int", "stop": "stop", "stop_token_ids": "ids", "ignore_eos": "bool",
-    "beam_width": "int", "length_penalty": "float",
+    "beam_width": "int", "length_penalty": "float", "early_stopping": "early",
 })

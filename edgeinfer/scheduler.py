@@ -202,7 +202,7 @@ class Scheduler:
         if params.beam_width:
             eos = () if params.ignore_eos else self.eos_token_ids
             search = BeamSearchParams(params.beam_width, max_len - len(prompt_ids), params.n, params.length_penalty,
-                                      eos_token_ids=tuple(dict.fromkeys((*eos, *params.stop_token_ids))))
+                                      params.early_stopping, tuple(dict.fromkeys((*eos, *params.stop_token_ids))))
             seq.beam = BeamGroup(request_id, len(prompt_ids), seq.arrival_s, BeamState(search), [seq])
         self._next_seq_id += 1
         position = len(self.waiting)

@@ -22,7 +22,7 @@ def spread_logits(context: list[int]) -> torch.Tensor:
 
 def reference(prompt: list[int], params: SamplingParams):
     search = BeamSearchParams(params.beam_width, params.max_tokens, params.n, params.length_penalty,
-                              eos_token_ids=(EOS,))
+                              params.early_stopping, eos_token_ids=(EOS,))
     return beam_search(prompt, lambda prefixes: torch.stack(
         [torch.log_softmax(spread_logits(p), dim=-1) for p in prefixes]), search)
 
@@ -38,11 +38,14 @@ def check(events: list, prompt: list[int], params: SamplingParams) -> None:
     assert done.finish_reason == want[0].finish_reason
 
 
-@pytest.mark.parametrize("width, n, max_tokens, length_penalty", [(1, 1, 6, 1.0), (3, 2, 9, 1.0), (4, 4, 7, 0.5)])
-def test_beam_search_equals_the_reference(width: int, n: int, max_tokens: int, length_penalty: float) -> None:
-    sched, model = make(num_blocks=40, logits_fn=spread_logits, max_num_seqs=8, max_num_batched_tokens=32)
+@pytest.mark.parametrize("width, n, max_tokens, length_penalty, early", [
+    (1, 1, 6, 1.0, False), (3, 2, 9, 1.0, False), (4, 4, 7, 0.5, "never"), (3, 3, 12, 2.0, True)])
+def test_beam_search_equals_the_reference(width: int, n: int, max_tokens: int, length_penalty: float,
+                                          early: bool | str) -> None:
+    sched, model = make(num_blocks=48, logits_fn=spread_logits, max_num_seqs=8, max_num_batched_tokens=32)
     prompt = [5, 9, 2, 11, 3, 7]  # ends inside a block: beams copy it on their first append
-    params = SamplingParams(beam_width=width, n=n, max_tokens=max_tokens, length_penalty=length_penalty)
+    params = SamplingParams(beam_width=width, n=n, max_tokens=max_tokens, length_penalty=length_penalty,
+                            early_stopping=early)
     sched.add_request("b", prompt, params)
     check(run_all(sched, model)["b"], prompt, params)
     assert sched.block_manager.num_used == 0 and not sched.running and not sched.waiting
@@ -92,6 +95,6 @@ def test_abort_mid_search_frees_every_beam() -> None:
 
 def test_beam_parameters_are_checked() -> None:
     for bad in ({"beam_width": 2, "n": 3}, {"beam_width": 2, "stop": ["x"]}, {"beam_width": 2, "logprobs": 1},
-                {"beam_width": 99}):
+                {"beam_width": 99}, {"beam_width": 2, "early_stopping": "sometimes"}):
         with pytest.raises(InvalidParams):
             SamplingParams(**bad)
