@@ -27,7 +27,7 @@ from edgeinfer.loader import LoadedModel
 from edgeinfer.messages import StepPlan, StepResult
 from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs
-from edgeinfer.speculative import verify_sampled, verify_uniforms
+from edgeinfer.speculative import verify_greedy, verify_sampled, verify_uniforms
 from kernels.kv_pool import KVPool, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
@@ -155,13 +155,17 @@ class ModelActor:
             [s.params for s in expanded], [s.prompt_ids for s in expanded], histories, self.vocab_size,
             self.eos_token_ids, choice_indices=[s.choices[0] for s in expanded], device=logits.device,
             generator=self._generator)
-        probs = sampling_probs(logits[positions], batch).view(len(seqs), k + 1, -1)
         draft_ids = torch.tensor([list(s.draft_ids) + [0] * (k - len(s.draft_ids)) for s in seqs],
                                  device=logits.device)
         num_drafts = torch.tensor([len(s.draft_ids) for s in seqs], device=logits.device)
-        uniforms = torch.stack([verify_uniforms(s.params.seed, s.choices[0], len(s.output_ids), k, self._generator)
-                                for s in seqs]).to(logits.device)
-        token_ids, emitted = verify_sampled(draft_ids, num_drafts, probs, None, uniforms)
+        if batch.all_greedy:  # argmax only: no softmax over the vocabulary per position
+            processed = processed_logits(logits[positions], batch).view(len(seqs), k + 1, -1)
+            token_ids, emitted = verify_greedy(draft_ids, num_drafts, processed)
+        else:
+            probs = sampling_probs(logits[positions], batch).view(len(seqs), k + 1, -1)
+            uniforms = torch.stack([verify_uniforms(s.params.seed, s.choices[0], len(s.output_ids), k,
+                                                    self._generator) for s in seqs]).to(logits.device)
+            token_ids, emitted = verify_sampled(draft_ids, num_drafts, probs, None, uniforms)
         for i, ids, n in zip(indices, token_ids.tolist(), emitted.tolist(), strict=True):
             rows[i] = [(tuple(ids[:n]), 0.0, ())]
 

@@ -122,6 +122,8 @@ def main() -> int:
     parser.add_argument("--drafters", nargs="+", choices=("ngram", "engine", "draft"),
                         default=["ngram", "engine", "draft"])
     parser.add_argument("--ignore-eos", action="store_true", help="always decode --new-tokens tokens")
+    parser.add_argument("--prompts", nargs="+", choices=("rewrite", "repeat", "free-form"),
+                        default=["rewrite", "repeat", "free-form"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     path = args.model or (default_model_path() if default_model_path().is_file() else pull())
@@ -132,7 +134,7 @@ def main() -> int:
     bf16 = build_model(bf16_copy(loaded), runtime) if "draft" in args.drafters else None
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
     results = []
-    for name, text in prompts().items():
+    for name, text in ((n, t) for n, t in prompts().items() if n in args.prompts):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
         length = len(ids) + args.new_tokens + 16
         for drafter_name in args.drafters:
