@@ -2,8 +2,10 @@
 
 Writers: the actor's worker thread is the one writer of the KV pool (through the model runner's
 forward and `copy_blocks`) and of the sampler's random generator. A StepPlan arrives by value;
-the actor copies the blocks it names, runs one forward over every chunk, samples the rows that
-ask for it and replies a StepResult by value. Steps run one at a time on one dedicated thread
+the actor copies the blocks it names, runs one forward over every chunk, and for the rows that
+ask for it samples a token (n tokens for an n > 1 request's first sample), verifies prompt-lookup
+drafts (accepted drafts plus one token) or lists a beam's best next tokens, and replies a
+StepResult by value. Steps run one at a time on one dedicated thread
 (CUDA's current device, streams and graphs are per-thread state), awaited from an anyio worker
 so the event loop keeps serving clients during a forward pass.
 
@@ -134,7 +136,7 @@ class ModelActor:
                                           [s.output_ids for s in seqs], self.vocab_size, self.eos_token_ids,
                                           device=logits.device)
         logprobs = torch.log_softmax(processed_logits(logits, batch), dim=-1)
-        top_lps, top_ids = logprobs.topk(max(s.beam_candidates for s in seqs), dim=-1)
+        top_lps, top_ids = logprobs.topk(min(max(s.beam_candidates for s in seqs), logprobs.shape[-1]), dim=-1)
         for i, s, ids, lps in zip(indices, seqs, top_ids.tolist(), top_lps.tolist(), strict=True):
             k = s.beam_candidates
             rows[i] = [((ids[0],), lps[0], tuple(zip(ids[:k], lps[:k], strict=True)))]
