@@ -19,21 +19,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from tools.bench_common import copy_bandwidth, int_list  # noqa: E402
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    import triton.testing
-
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src))
-    return 2 * num_bytes / (ms * 1e-3)
 
 
 def bench_one(kv_dtype: str, batch: int, context: int, copy_bw: float) -> dict:
@@ -79,12 +69,11 @@ def bench_one(kv_dtype: str, batch: int, context: int, copy_bw: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=_ints, default=[1, 8, 32])
-    parser.add_argument("--context", type=_ints, default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 32])
+    parser.add_argument("--context", type=int_list, default=[1024, 4096, 16384, 32768])
     parser.add_argument("--kv-dtypes", type=lambda s: s.split(","), default=["fp16", "int8", "int4"])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU; nothing to measure on this machine.")
         return 0

@@ -50,6 +50,7 @@ from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.synthetic import synthetic_model  # noqa: E402
 from kernels.kv_pool import KVPool  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
+from tools.bench_common import copy_bandwidth, int_list, table_cell  # noqa: E402
 
 BLOCK_SIZE = 16
 TARGET_ROOFLINE = 0.85
@@ -58,27 +59,9 @@ TARGET_135M_TOKS = 1000.0
 COLUMNS = ("model", "weights", "engine", "batch", "tok/s", "step_ms", "ttft_ms", "peak_GiB", "roofline%", "x_hf")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
-    """Copy bandwidth in bytes/s, read + write counted (median of several copies)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * num_bytes / statistics.median(times[2:])
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -294,14 +277,6 @@ def peer_engines(device: torch.device) -> list[tuple[str, torch.dtype, bool]]:
 # ---- driver -----------------------------------------------------------------------------------
 
 
-def _fmt(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-
-
 def _dump_partial(args: argparse.Namespace, name: str, copy_bw: float, rows: list[dict]) -> None:
     if args.json_out:
         partial = {"device": name, "copy_GB/s": copy_bw / 1e9, "partial": True, "rows": rows}
@@ -338,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shapes", default=None, help="comma-separated: 135m,8b (cpu: 135m)")
     parser.add_argument("--weights", default=None, help="comma-separated: int4,int8 (cpu: int4)")
-    parser.add_argument("--batch", type=_ints, default=None, help="batch sizes (cuda: 1,8,32; cpu: 1)")
+    parser.add_argument("--batch", type=int_list, default=None, help="batch sizes (cuda: 1,8,32; cpu: 1)")
     parser.add_argument("--prompt-len", type=int, default=None, help="TTFT prompt (cuda: 2048; cpu: 64)")
     parser.add_argument("--context", type=int, default=None, help="prompt per decoding sequence (cuda: 512)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (cuda: 32; cpu: 8)")
@@ -410,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = [15 if c == "engine" else max(len(c), 10) for c in COLUMNS]
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths, strict=True)))
     for r in rows:
-        print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(COLUMNS, widths, strict=True)))
+        print("  ".join(table_cell(r[c]).rjust(w) for c, w in zip(COLUMNS, widths, strict=True)))
     for t in targets:
         print(f"{'PASS' if t['ok'] else 'FAIL'}  {t['target']}: {t['value']:.3g}")
     return 0

@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from tools.bench_common import copy_bandwidth, table_cell  # noqa: E402
+
 M_VALUES = (1, 4, 16, 64, 512)
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 11008), (11008, 4096))  # (N, K)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -42,16 +44,6 @@ def _timer(cudagraph: bool) -> Callable[[Callable[[], object]], float]:
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
     return time_ms
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy of 1 GiB: bytes read plus bytes written per second."""
-    import triton.testing
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=200, return_mode="median")
-    return 2 * src.numel() / ms / 1e6
 
 
 def _torch_int4(weight, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
@@ -123,14 +115,6 @@ def bench_shape(m: int, n: int, k: int, args: argparse.Namespace, time_ms, copy_
     return rows
 
 
-def _fmt(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -144,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     time_ms = _timer(args.cudagraph)
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = copy_bandwidth() / 1e9
     rows = []
     for n, k in SHAPES:
         for m in (int(v) for v in args.m.split(",")):
@@ -159,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     columns = list(rows[0])
     print("  ".join(f"{c:>12}" for c in columns))
     for row in rows:
-        print("  ".join(f"{_fmt(row[c]):>12}" for c in columns))
+        print("  ".join(f"{table_cell(row[c]):>12}" for c in columns))
     return 0
 
 
