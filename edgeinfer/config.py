@@ -46,6 +46,19 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(N, K) of each layer's projections, by HF name suffix ("self_attn.q_proj", ...)."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "self_attn.q_proj": (q_size, self.hidden_size),
+            "self_attn.k_proj": (kv_size, self.hidden_size),
+            "self_attn.v_proj": (kv_size, self.hidden_size),
+            "self_attn.o_proj": (self.hidden_size, q_size),
+            "mlp.gate_proj": (self.intermediate_size, self.hidden_size),
+            "mlp.up_proj": (self.intermediate_size, self.hidden_size),
+            "mlp.down_proj": (self.hidden_size, self.intermediate_size),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

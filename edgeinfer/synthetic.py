@@ -102,16 +102,7 @@ def synthetic_model(
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     c = config
-    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    linears = {  # HF name suffix -> (N, K)
-        "self_attn.q_proj": (q_size, c.hidden_size),
-        "self_attn.k_proj": (kv_size, c.hidden_size),
-        "self_attn.v_proj": (kv_size, c.hidden_size),
-        "self_attn.o_proj": (c.hidden_size, q_size),
-        "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
-        "mlp.up_proj": (c.intermediate_size, c.hidden_size),
-        "mlp.down_proj": (c.hidden_size, c.intermediate_size),
-    }
+    linears = c.linear_shapes()
 
     def quantized(n: int, k: int) -> QuantizedTensor:
         return random_quantized(n, k, weights, group_size, generator, device)

@@ -57,17 +57,7 @@ def tiny_weights(config: ModelConfig = TINY, seed: int = 0) -> dict[str, torch.T
             weights[name] = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
         else:
             weights[name] = torch.empty(0)
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {
-        "q_proj": (q, c.hidden_size),
-        "k_proj": (kv, c.hidden_size),
-        "v_proj": (kv, c.hidden_size),
-        "o_proj": (c.hidden_size, q),
-        "gate_proj": (c.intermediate_size, c.hidden_size),
-        "up_proj": (c.intermediate_size, c.hidden_size),
-        "down_proj": (c.hidden_size, c.intermediate_size),
-    }
+    shapes = {suffix.split(".")[-1]: nk for suffix, nk in config.linear_shapes().items()}
     for name, t in weights.items():
         if t.numel() == 0:
             n, k = shapes[name.split(".")[-2]]
