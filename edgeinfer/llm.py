@@ -20,13 +20,17 @@ from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs
 from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.speculative import AdaptiveK, propose_ngram, verify_greedy, verify_sampled, verify_uniforms
+from edgeinfer.speculative import (
+    PROMPT_LOOKUP_NGRAM_MIN,
+    AdaptiveK,
+    propose_ngram,
+    verify_greedy,
+    verify_sampled,
+    verify_uniforms,
+)
 from kernels.dispatch import resolve_path
 from kernels.kv_pool import KVPool
 
-# Single-token matches draft too eagerly in free text (measured acceptance 0.08); two tokens of
-# context keep the drafts that prompt lookup is for.
-NGRAM_MIN = 2
 NGRAM = "ngram"  # generate_tokens' drafter for prompt lookup
 
 
@@ -118,7 +122,7 @@ def generate_tokens(
         draft_probs = None
         limit = min(controller.k, capacity - pos - 1, params.max_tokens - len(output))
         if drafter == NGRAM:
-            drafts = propose_ngram(prompt_ids + output, limit, ngram_min=NGRAM_MIN)
+            drafts = propose_ngram(prompt_ids + output, limit, ngram_min=PROMPT_LOOKUP_NGRAM_MIN)
         elif drafter is not None:
             drafts, draft_probs = drafter.propose(prompt_ids, output, limit, params, eos_token_ids)
         logits = runner.logits([SeqChunk((token, *drafts), pos, table, num_logits=1 + len(drafts))])

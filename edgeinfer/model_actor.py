@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from typing import Protocol
 
 import anyio
@@ -83,7 +84,7 @@ class ModelActor:
         chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=1 + len(s.draft_ids))
                   for s in plan.seqs]
         logits = self.runner.logits(chunks)
-        ends = torch.tensor([c.num_logits for c in chunks]).cumsum(0).tolist()
+        ends = list(accumulate(c.num_logits for c in chunks))  # each chunk's last logits row + 1
         plain = [i for i, s in enumerate(plan.seqs) if s.sample and not s.draft_ids and not s.beam_candidates]
         drafted = [i for i, s in enumerate(plan.seqs) if s.sample and s.draft_ids]
         beams = [i for i, s in enumerate(plan.seqs) if s.sample and s.beam_candidates]

@@ -75,12 +75,8 @@ from edgeinfer.events import (
 )
 from edgeinfer.messages import SeqStep, StepPlan, StepResult
 from edgeinfer.sampling_params import InvalidParams, SamplingParams
-from edgeinfer.speculative import AdaptiveK, propose_ngram
+from edgeinfer.speculative import PROMPT_LOOKUP_NGRAM_MIN, AdaptiveK, propose_ngram
 from edgeinfer.stop import StopChecker
-
-# Prompt lookup needs two tokens of context to match (one-token matches drafted too eagerly in
-# free text: acceptance 0.08), as edgeinfer.llm's single-stream generator.
-NGRAM_MIN = 2
 
 
 class Detokenizer(Protocol):
@@ -282,6 +278,7 @@ class Scheduler:
         rows: dict[int, int] = {}  # seq id -> its first row (a fork's n choices have n rows)
         for row, seq_id in enumerate(result.seq_ids):
             rows.setdefault(seq_id, row)
+        row_tokens = result.row_tokens()  # once per step: each row's emitted tokens
         events: list[Event] = []
         for step in plan.seqs:
             seq = self._by_seq.get(step.seq_id)
@@ -289,7 +286,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
             if step.draft_ids:
-                events.extend(self._emit_verified(seq, step, result, rows[seq.seq_id], now))
+                events.extend(self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now))
                 continue
             seq.num_computed = step.start_pos + len(step.token_ids)
             self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
@@ -305,16 +302,13 @@ class Scheduler:
             # Fork before the parent takes its token: children share the prompt, not its output.
             children = [self._fork(seq, index) for index in step.choices[1:]]
             for offset, choice in enumerate([seq, *children]):
-                events.extend(self._emit(choice, result, row + offset, now))
+                events.extend(self._emit_tokens(choice, row_tokens[row + offset], now,
+                                                self._logprobs(choice, result, row + offset)))
         return events
 
-    def _emit(self, seq: SeqState, result: StepResult, row: int, now: float) -> list[Event]:
-        return self._emit_tokens(seq, result.row_tokens()[row], now, self._logprobs(seq, result, row))
-
-    def _emit_verified(self, seq: SeqState, step: SeqStep, result: StepResult, row: int, now: float) -> list[Event]:
+    def _emit_verified(self, seq: SeqState, step: SeqStep, tokens: tuple[int, ...], now: float) -> list[Event]:
         """A drafted step: the accepted drafts and the sampled token, K/V valid up to the last
         accepted draft."""
-        tokens = result.row_tokens()[row]
         num_accepted = len(tokens) - 1
         seq.draft_k = seq.draft_k.update(len(step.draft_ids), num_accepted)
         seq.num_computed = step.start_pos + 1 + num_accepted
@@ -458,7 +452,7 @@ class Scheduler:
         tokens = seq.token_ids
         limit = min(seq.draft_k.k, self.config.max_draft_tokens, budget,
                     seq.max_len - len(tokens) - 1, p.max_tokens - len(seq.output_ids) - 1)
-        drafts = propose_ngram(tokens, max(limit, 0), ngram_min=NGRAM_MIN) if limit > 0 else []
+        drafts = propose_ngram(tokens, limit, ngram_min=PROMPT_LOOKUP_NGRAM_MIN) if limit > 0 else []
         need = len(tokens) + len(drafts) - seq.num_slots
         if drafts and need > 0:
             appended = self.block_manager.append_slots(seq.seq_id, need)  # None: no room, no drafts

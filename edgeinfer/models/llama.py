@@ -160,22 +160,15 @@ class LlamaModel:
         runner calls this when it binds the model to a pool with quantized keys."""
         if self._key_centres is not None or not self._kv_calibration_ids:
             return
+        from edgeinfer.model_runner import SeqChunk, build_batch  # model_runner imports this module
+
         c = self.config
-        ids = self._kv_calibration_ids[: c.max_position]
+        ids = tuple(self._kv_calibration_ids[: c.max_position])
         num_blocks = -(-len(ids) // 16)
         pool = KVPool(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32", self.device)
-        n = len(ids)
-        batch = BatchMeta(
-            positions=torch.arange(n, device=self.device),
-            slot_mapping=torch.arange(n, device=self.device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-            context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            logits_indices=torch.tensor([n - 1], device=self.device),
-            is_decode=False,
-        )
+        token_ids, batch = build_batch([SeqChunk(ids, 0, tuple(range(num_blocks)))], 16, self.device)
         keys: list[torch.Tensor] = []
-        self.forward(torch.tensor(ids, device=self.device), batch, pool, key_sink=keys)
+        self.forward(token_ids, batch, pool, key_sink=keys)
         self._key_centres = torch.stack([k.float().mean(dim=0) for k in keys])
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
