@@ -30,10 +30,11 @@ import torch  # noqa: E402
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.draft_model import DraftModel  # noqa: E402
-from edgeinfer.engine import Engine, EngineConfig, GenerateRequest  # noqa: E402
+from edgeinfer.engine import Engine, GenerateRequest  # noqa: E402
 from edgeinfer.events import Token  # noqa: E402
 from edgeinfer.llm import NGRAM, build_model, generate_tokens, single_stream_runner  # noqa: E402
 from edgeinfer.loader import LoadedModel, load_model  # noqa: E402
+from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.pull import default_model_path, pull  # noqa: E402
 from edgeinfer.sampling_params import SamplingParams  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
@@ -90,11 +91,14 @@ def run(runner, ids: list[int], params: SamplingParams, eos: tuple[int, ...], dr
             "acceptance": accepted / counting.drafted if counting.drafted else 0.0}
 
 
-def run_engine(path: Path, ids: list[int], params: SamplingParams, speculative: str) -> dict:
-    """One request through the serving engine; decode rate from its usage (first token excluded)."""
+def run_engine(model: LlamaModel, loaded: LoadedModel, ids: list[int], params: SamplingParams,
+               speculative: str, length: int) -> dict:
+    """One request through the serving engine over the already built model; decode rate from its
+    usage (first token excluded)."""
     async def go() -> dict:
-        config = EngineConfig(str(path), RuntimeConfig(), SchedulerConfig(speculative=speculative))
-        async with Engine(config) as engine:
+        runner = single_stream_runner(model, RuntimeConfig(), length)
+        engine = Engine.from_runner(runner, loaded.tokenizer, loaded.config, SchedulerConfig(speculative=speculative))
+        async with engine:
             events = [e async for e in engine.generate(GenerateRequest("b", prompt_token_ids=tuple(ids),
                                                                        params=params))]
         tokens = [e for e in events if isinstance(e, Token)]
@@ -139,7 +143,7 @@ def main() -> int:
         length = len(ids) + args.new_tokens + 16
         for drafter_name in args.drafters:
             if drafter_name == "engine":
-                best = {key: max((run_engine(path, ids, params, spec) for _ in range(args.repeat)),
+                best = {key: max((run_engine(int4, loaded, ids, params, spec, length) for _ in range(args.repeat)),
                                  key=lambda r: r["decode_tok_s"]) for key, spec in (("plain", "off"),
                                                                                      ("speculative", "ngram"))}
                 results.append({"prompt": name, "drafter": drafter_name, **best,
