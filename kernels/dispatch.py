@@ -1,18 +1,21 @@
 """The one dispatch point for linear layers: weight -> kernel-ready form (once, at load) -> matmul.
 
 Paths:
-- ``int4_cpu``: torch's int4 weight-only CPU kernel (``_weight_int4pack_mm_for_cpu``, bf16
-  activations) for thin M (decode); for M >= ``PREFILL_M`` the weight is dequantized to fp32 per
-  call (into a reused scratch buffer) and run through the fp32 GEMM, which is ~2x the int4
-  kernel's FLOP/s at prefill shapes on AVX2 (measured: 106 vs 45 GFLOP/s at M=256). The
-  dequantization reads torch's packed bytes directly (layout probed once, see
-  ``_packed_block_n``), so only one copy of the weight is kept.
-  int8 weights and plain tensors use fp32 GEMM.
+- ``int4_cpu``: int4 weights on the CPU. Thin M (decode) runs the AVX2 int4 x int16 kernel
+  (kernels.cpu_ops: activations rounded to int16, a scale per 4 values; 1.45-1.8x torch's int4
+  kernel at M=1, ~1.15x at M=16) where that kernel builds and the CPU has AVX2, else
+  torch's portable int4 kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations). For M >=
+  ``PREFILL_M`` the weight is dequantized to fp32 per call into a reused scratch buffer and run
+  through the fp32 GEMM, which beats both int4 kernels at prefill shapes (AVX2 kernel 9.1 ms vs
+  5.5 ms at M=256 for gate/up). Either way only one copy of the weight is kept: the dequantizer
+  reads the kernel's own layout (torch's packed bytes: layout probed once, see
+  ``_packed_block_n``). int8 weights and plain tensors use fp32 GEMM.
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
 - ``reference``: dequantize to fp32 and matmul in fp32; exact, the oracle for the tests.
 
-The int4 CPU kernel wants w = (q - 8) * scale + zero, so zero = min + 8 * scale, stored in bf16:
-that rounding is the only difference from the reference.
+torch's int4 CPU kernel wants w = (q - 8) * scale + zero, so zero = min + 8 * scale, stored in
+bf16: that rounding is its only difference from the reference. The AVX2 kernel keeps the
+checkpoint's fp16 scales and mins; its difference is the int16 rounding of activations.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_ops
 from quant.formats import QuantizedTensor, unpack_int4
 
-PREFILL_M = 32  # serving at 16 streams measured 120 tok/s with 32 vs 90 with 96; prefill alike
+# Measured crossover of the AVX2 kernel against dequantize + fp32 GEMM: ~40 rows (gate/up: 1.16
+# vs 1.27 ms at 32, 2.29 vs 1.84 ms at 64); torch's kernel loses from ~32 on as well.
+PREFILL_M = 32
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it
 _PACK_CHUNK_ROWS = 4096  # a multiple of every packing block width
 
@@ -39,7 +45,7 @@ class PreparedLinear:
     dense: torch.Tensor | None = None  # fp32 (N, K) for plain weights / the reference path
     packed: torch.Tensor | None = None  # int4_cpu: torch's packed layout
     scales_and_zeros: torch.Tensor | None = None  # int4_cpu: bf16 (K // group, N, 2)
-    kernel: object | None = None  # triton: the kernel module's prepared weight
+    kernel: object | None = None  # triton: the kernel module's prepared weight; int4_cpu: CpuInt4Weight
     group_size: int = 0  # int4_cpu
     block_n: int | None = None  # int4_cpu: row-block width of the packed layout
 
@@ -47,6 +53,8 @@ class PreparedLinear:
     def nbytes(self) -> int:
         tensors = [self.dense, self.packed, self.scales_and_zeros]
         total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        if isinstance(self.kernel, cpu_ops.CpuInt4Weight):
+            total += self.kernel.nbytes
         if self.source is not None and self.dense is None:
             total += self.source.nbytes
         return total
@@ -74,6 +82,9 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: to
         dense = weight.dequantize(torch.float32).to(device)
         return PreparedLinear("reference", weight.shape, None, dense=dense)
     if path == "int4_cpu":
+        if cpu_ops.supports_int4(weight) and cpu_ops.available():
+            return PreparedLinear("int4_cpu", weight.shape, None, kernel=cpu_ops.prepare_int4(weight),
+                                  group_size=weight.group_size)
         if weight.format != "int4" or weight.shape[0] % 16:  # torch's packer needs N % 16 == 0
             # Only int4 has a fast CPU kernel. Dequantizing int8/nf4 per call cost 0.4 tok/s on the
             # default model; a bf16 copy (2 bytes per weight) runs as a bf16 GEMV instead.
@@ -85,6 +96,7 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: to
 
 
 def _prepare_int4_cpu(weight: QuantizedTensor) -> PreparedLinear:
+    """torch's packed layout, for its portable int4 kernel."""
     assert weight.mins is not None
     block_n = _packed_block_n()
     # Row chunks (whole packing blocks) keep the int32 staging copy small: 113 MB for the
@@ -128,14 +140,19 @@ def _dequantize_packed_t(weight: PreparedLinear, scratch: torch.Tensor | None) -
     n, k = weight.shape
     block_n, half, group = weight.block_n, weight.block_n // 2, weight.group_size
     packed = weight.packed.view(n // block_n, k, half)
-    out = torch.empty(k * n) if scratch is None or scratch.numel() < k * n else scratch[: k * n]
-    out = out.view(k, n // block_n, block_n)
+    out = _scratch(weight, scratch).view(k, n // block_n, block_n)
     out[..., :half].copy_((packed & 0x0F).permute(1, 0, 2))  # copy_ converts uint8 -> fp32
     out[..., half:].copy_((packed >> 4).permute(1, 0, 2))
     sz = weight.scales_and_zeros.float()  # (K / group, N, 2)
     scales = sz[:, None, :, 0]
     offsets = sz[:, None, :, 1] - 8 * scales
     return out.view(k // group, group, n).mul_(scales).add_(offsets).view(k, n)
+
+
+def _scratch(weight: PreparedLinear, scratch: torch.Tensor | None) -> torch.Tensor:
+    """The first N * K elements of ``scratch``, or a fresh buffer where it is missing or short."""
+    numel = weight.shape[0] * weight.shape[1]
+    return torch.empty(numel) if scratch is None or scratch.numel() < numel else scratch[:numel]
 
 
 def _prepare_triton(weight: QuantizedTensor, device: torch.device) -> PreparedLinear:
@@ -160,8 +177,8 @@ def _to_device(weight: QuantizedTensor, device: torch.device) -> QuantizedTensor
 
 
 def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W.T for x (..., K). Returns fp32 on the exact and prefill paths, bf16 from the
-    int4/bf16 CPU kernels at thin M (left unconverted: the callers' next op, a residual add or
+    """y = x @ W.T for x (..., K). Returns fp32 on the exact, prefill and AVX2 int4 paths, bf16
+    from torch's int4/bf16 CPU kernels at thin M (left unconverted: the callers' next op, a residual add or
     RoPE against fp32 tensors, promotes it for free; a separate .float() costed ~2 us per call),
     x's dtype on Triton. ``scratch``: a reusable fp32 buffer for the int4_cpu prefill path (see
     scratch_numel)."""
@@ -171,6 +188,11 @@ def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None
     path = weight.path
     if path in ("dense", "reference"):
         y = x2.float() @ weight.dense.t()
+    elif path == "int4_cpu" and weight.kernel is not None:
+        if m < PREFILL_M:
+            y = cpu_ops.int4_linear(x2, weight.kernel)
+        else:
+            y = x2.float() @ cpu_ops.dequantize_into(weight.kernel, _scratch(weight, scratch)).t()
     elif path == "int4_cpu" and (m < PREFILL_M or weight.source is not None):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), weight.packed, weight.group_size, weight.scales_and_zeros

@@ -1,7 +1,8 @@
 """Attention over the paged, quantized KV pool: cache write, decode, and chunked-prefill attention.
 
 Entry points (one dispatch each: Triton on CUDA, the vectorised torch path elsewhere,
-``use_triton=True`` forces Triton, e.g. under TRITON_INTERPRET=1):
+``use_triton=True`` forces Triton, e.g. under TRITON_INTERPRET=1; on AVX2 CPUs decode over plain
+caches runs kernels.cpu_ops' C++ op, which the torch path is the reference for):
 
 - ``write_kv_cache``: quantize new K/V (T, Hkv, D) and scatter them into slots (KVPool.write).
 - ``paged_decode_attention``: one query token per sequence, q (S, Hq, D).
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.kv_quant import QuantizedKV, dequantize_kv, quantize_kv
 
 if TYPE_CHECKING:
@@ -99,6 +101,11 @@ def paged_decode_attention(
 
         return decode_triton(q, pool, layer, block_tables, context_lens, scale, max_context_len,
                               partition_size)
+    kc, vc = pool.k_caches[layer], pool.v_caches[layer]
+    if not q.is_cuda and kc.scale is None and vc.scale is None and kc.data.dtype == vc.data.dtype and \
+            q.shape[-1] % 8 == 0 and cpu_ops.available():
+        out = cpu_ops.paged_decode_attention(q, kc.data, vc.data, block_tables.int(), context_lens.int(), scale)
+        return out.to(q.dtype)
     return _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view)
 
 

@@ -8,6 +8,7 @@ contexts because the interpreter runs every program in numpy.
 import pytest
 import torch
 
+from kernels import cpu_ops
 from kernels.kv_pool import KVPool
 from kernels.paged_attention import (
     paged_decode_attention,
@@ -71,7 +72,11 @@ def test_cache_write_kernel_matches_torch(k_dtype, v_dtype):
 @pytest.mark.parametrize("k_dtype,v_dtype", DTYPE_PAIRS + [("fp32", "fp32"), ("bf16", "bf16")])
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_decode_torch_path_matches_reference(k_dtype, v_dtype, group, head_dim):
+@pytest.mark.parametrize("native", [True, False], ids=["cpu_ops", "torch"])
+def test_decode_torch_path_matches_reference(k_dtype, v_dtype, group, head_dim, native, monkeypatch):
+    # native: plain caches go to the C++ op where it builds; otherwise the torch path runs.
+    if not native:
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)
     lens = [1, 13, 70, 33]
     pool, tables = build(k_dtype, v_dtype, head_dim, 2, lens, seed=group + head_dim)
     q = _q((len(lens), 2 * group, head_dim), seed=1)
@@ -84,7 +89,8 @@ def test_decode_torch_path_matches_reference(k_dtype, v_dtype, group, head_dim):
 
 @pytest.mark.parametrize("k_dtype,v_dtype", [("fp32", "fp32"), ("bf16", "fp16"), ("int8", "int4")])
 @pytest.mark.parametrize("length", [1, 8, 29])
-def test_single_sequence_view_matches_reference(k_dtype, v_dtype, length):
+def test_single_sequence_view_matches_reference(k_dtype, v_dtype, length, monkeypatch):
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)  # the view is the torch path's
     # One sequence in consecutive blocks 2, 3, 4, 5 (BatchMeta.seq_view): plain caches are read
     # as a view of the pool, quantized ones gathered; both must equal the reference.
     block_size, first = 8, 2

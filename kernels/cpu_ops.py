@@ -1,0 +1,155 @@
+"""The C++ AVX2 CPU ops (kernels/cpu/*.cpp): build, load, weight layout and the Python calls.
+
+Owns the ops' life cycle: compiled once per source and torch version with the machine's C++
+compiler (torch.utils.cpp_extension, ~40 s) into the cache folder (edgeinfer.pull.cache_dir,
+under ``kernels/``), then loaded from there. ``available()`` says whether this machine can run
+them (an x86 CPU that torch runs at AVX2 or better, a working compiler;
+``EDGEINFER_CPU_KERNEL=torch`` turns them off); where not, callers use their torch path.
+
+The ops and their references:
+- ``int4_linear`` / ``dequantize_into`` (int4_gemm.cpp): int4 x int16 GEMM and the dequantizer;
+  activations are rounded to int16 with one scale per 4 values (llama.cpp's int8 with one per 32
+  broke greedy parity with the fp32 reference on the default model), and
+  kernels.reference.int4_int16_gemm_reference makes the same rounding, so tests compare the two
+  tightly and each against the exact fp32 product.
+- ``paged_decode_attention`` (attention.cpp): one-token attention over plain KV caches; the
+  torch path of kernels.paged_attention is its reference.
+- ``rms_norm`` (rms_norm.cpp): torch.nn.functional.rms_norm is its reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quant.formats import QuantizedTensor, unpack_int4
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "cpu"
+KERNEL_ENV = "EDGEINFER_CPU_KERNEL"  # "torch": use torch's int4 kernel even where this one builds
+BLOCK = 32  # the kernel's weight block; an int4 weight's K and group size must be multiples of it
+_LIBRARY = "edgeinfer_cpu"
+# -fopenmp: at::parallel_for is OpenMP pragmas in a header, serial without it; the library then
+# needs libgomp.so.1, which resolves to the copy torch has already loaded (one thread pool).
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
+@dataclass(frozen=True)
+class CpuInt4Weight:
+    """An int4 weight in the kernel's layout: per 32-block, byte j holds element j (low nibble)
+    and element j + 16 (high nibble), so one 16-byte load unpacks to the block in order."""
+
+    packed: torch.Tensor  # uint8 (N, K // 2)
+    scales: torch.Tensor  # fp16 or fp32 (N, K // group_size)
+    mins: torch.Tensor  # same dtype and shape as scales
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
+
+
+def supports_int4(weight: QuantizedTensor) -> bool:
+    return weight.format == "int4" and weight.shape[1] % BLOCK == 0 and weight.group_size % BLOCK == 0
+
+
+def prepare_int4(weight: QuantizedTensor) -> CpuInt4Weight:
+    """Re-order the nibbles of a quant.formats int4 weight (element 2j low, 2j + 1 high) into the
+    kernel's block-half order; scales and mins stay as they are (bf16 becomes fp32, exactly)."""
+    if not supports_int4(weight):
+        raise ValueError(f"the AVX2 int4 kernel needs an int4 weight with K and group size multiples of {BLOCK}, "
+                         f"got {weight.format} {weight.shape} group {weight.group_size}")
+    assert weight.mins is not None
+    n, k = weight.shape
+    # Row chunks bound the staging copy of unpacked codes (1 byte per weight).
+    parts = []
+    for rows in weight.qweight.split(4096):
+        codes = unpack_int4(rows).view(rows.shape[0], k // BLOCK, 2, BLOCK // 2)
+        parts.append((codes[:, :, 0] | (codes[:, :, 1] << 4)).view(rows.shape[0], k // 2))
+    packed = torch.cat(parts)
+    dtype = weight.scales.dtype if weight.scales.dtype in (torch.float16, torch.float32) else torch.float32
+    scales = weight.scales.to(dtype).contiguous()
+    mins = weight.mins.to(dtype).contiguous()
+    return CpuInt4Weight(packed, scales, mins, weight.group_size)
+
+
+def int4_linear(x: torch.Tensor, weight: CpuInt4Weight) -> torch.Tensor:
+    """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int16 (a scale per 4)."""
+    return torch.ops.edgeinfer_cpu.int4_gemm(x, weight.packed, weight.scales, weight.mins, weight.group_size)
+
+
+def dequantize_into(weight: CpuInt4Weight, out: torch.Tensor) -> torch.Tensor:
+    """The fp32 (N, K) weight, written into the front of ``out`` (a reused buffer)."""
+    n, k = weight.shape
+    torch.ops.edgeinfer_cpu.int4_dequantize(weight.packed, weight.scales, weight.mins, weight.group_size, out)
+    return out.view(-1)[: n * k].view(n, k)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 RMSNorm over the last dimension of x with an fp32 weight."""
+    return torch.ops.edgeinfer_cpu.rms_norm(x, weight, eps)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 (S, Hq, D): one query token per sequence over plain (blocks, block_size, Hkv, D)
+    caches, read through int32 block tables up to int32 context lengths."""
+    return torch.ops.edgeinfer_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+@functools.cache
+def available() -> bool:
+    """Build (first time only) and load the ops; False where this machine cannot run them."""
+    if os.environ.get(KERNEL_ENV, "").lower() == "torch":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
+        "AVX2", "AVX512"
+    ):
+        return False
+    try:
+        _load()
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the portable kernel"
+        log.warning("AVX2 CPU ops unavailable, using the torch paths (%s)", str(e).splitlines()[0])
+        return False
+    return True
+
+
+def _load() -> None:
+    from edgeinfer.pull import cache_dir
+
+    sources = sorted(SOURCE_DIR.glob("*.cpp"))
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(_FLAGS).encode())
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    library = cache_dir() / "kernels" / f"{_LIBRARY}-{digest.hexdigest()[:16]}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils.cpp_extension import load
+
+    log.info("compiling the AVX2 CPU ops once (about a minute) into %s", library.parent)
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a private folder and move the finished library into place, so an interrupted or
+    # concurrent build never leaves a half-written library where the next start would load it.
+    build = Path(tempfile.mkdtemp(prefix="build-", dir=library.parent))
+    try:
+        load(name=_LIBRARY, sources=[str(p) for p in sources], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+             build_directory=str(build),
+             is_python_module=False, verbose=False)
+        os.replace(build / f"{_LIBRARY}.so", library)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)

@@ -1,0 +1,134 @@
+"""The C++ AVX2 CPU ops (kernels.cpu_ops) against their torch references.
+
+Random, off-centre inputs; sizes that are not multiples of the ops' tiles (4 activation rows,
+4 weight rows, 8 channels, 32-channel value chunks, 16-token blocks). Skipped where the ops
+cannot be built (no AVX2 or no compiler): the torch paths then run everywhere instead.
+"""
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels.dispatch import linear, prepare_linear
+from kernels.kv_pool import KVPool
+from kernels.paged_attention import paged_decode_attention_reference
+from kernels.reference import int4_gemm_reference, int4_int16_gemm_reference
+from quant.formats import quantize_int4
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the AVX2 CPU ops do not build here")
+
+
+def _weight(n, k, group, scale_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = quantize_int4(torch.randn(n, k, generator=gen) * 0.2 + 0.05, group)
+    return replace(w, scales=w.scales.to(scale_dtype), mins=w.mins.to(scale_dtype))
+
+
+@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (50, 128, 64), (9, 32, 32), (130, 224, 32)])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_int4_gemm_matches_references(n, k, group, m, scale_dtype):
+    weight = _weight(n, k, group, scale_dtype, seed=n + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2 + 0.3
+    out = cpu_ops.int4_linear(x, cpu_ops.prepare_int4(weight))
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    # Same int16 rounding of x: equal up to fp32 summation order.
+    torch.testing.assert_close(out, int4_int16_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+    # Against the exact product: int16 activations with a scale per 4 values cost ~1e-5.
+    exact = int4_gemm_reference(x, weight)
+    assert float((out - exact).norm() / exact.norm()) < 1e-4
+
+
+def test_int4_gemm_takes_bf16_activations():
+    weight = _weight(33, 64, 32, torch.float16, seed=2)
+    x = (torch.randn(2, 64) + 0.5).to(torch.bfloat16)
+    out = cpu_ops.int4_linear(x, cpu_ops.prepare_int4(weight))
+    torch.testing.assert_close(out, int4_int16_gemm_reference(x.float(), weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_dequantize_into_a_longer_buffer_matches_the_weight(scale_dtype):
+    weight = _weight(45, 160, 32, scale_dtype, seed=4)
+    scratch = torch.full((45 * 160 + 77,), float("nan"))
+    out = cpu_ops.dequantize_into(cpu_ops.prepare_int4(weight), scratch)
+    torch.testing.assert_close(out, weight.dequantize(torch.float32), rtol=0, atol=1e-6)
+    assert torch.isnan(scratch[45 * 160:]).all()  # nothing written past N * K
+
+
+def test_int4_errors_name_the_problem():
+    weight = quantize_int4(torch.randn(8, 48), 16)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_ops.prepare_int4(weight)
+    prepared = cpu_ops.prepare_int4(_weight(8, 64, 32, torch.float16, seed=1))
+    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 32"):
+        torch.ops.edgeinfer_cpu.int4_gemm(torch.randn(1, 64), prepared.packed, prepared.scales, prepared.mins, 16)
+    with pytest.raises(RuntimeError, match=r"x must be \(M, 64\)"):
+        cpu_ops.int4_linear(torch.randn(1, 63), prepared)
+
+
+@pytest.mark.parametrize("m", [1, 31, 32, 45])
+def test_dispatch_uses_the_kernel_for_decode_and_dequantizes_for_prefill(m):
+    weight = _weight(70, 96, 32, torch.float16, seed=m)
+    prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
+    assert isinstance(prepared.kernel, cpu_ops.CpuInt4Weight) and prepared.packed is None
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
+    out = linear(x, prepared, torch.empty(70 * 96))
+    if m < 32:
+        torch.testing.assert_close(out, int4_int16_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+    else:  # dequantize + fp32 GEMM: exact up to summation order
+        torch.testing.assert_close(out, int4_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 37), (19, 64)])
+def test_rms_norm_matches_torch(rows, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(rows, hidden, generator=gen) * 3 + 0.5
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (hidden,), weight, 1e-5),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (40, 2), (8, 1)])
+def test_decode_attention_matches_reference(dtype, head_dim, group):
+    lens, block_size, num_kv_heads = [1, 17, 40, 5], 16, 2
+    gen = torch.Generator().manual_seed(head_dim + group)
+    nbs = [-(-n // block_size) for n in lens]
+    pool = KVPool(1, sum(nbs) + 2, block_size, num_kv_heads, head_dim, dtype, dtype)
+    perm = torch.randperm(pool.num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
+    slots, used = [], 0
+    for i, (n, nb) in enumerate(zip(lens, nbs, strict=True)):
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+        slots += [int(tables[i, t // block_size]) * block_size + t % block_size for t in range(n)]
+    k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen) * 2 + 0.3
+    v = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen) - 0.4
+    pool.write(0, k, v, torch.tensor(slots))
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen) + 0.1
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    kc, vc = pool.k_caches[0].data, pool.v_caches[0].data
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, context_lens, head_dim ** -0.5)
+    ref = paged_decode_attention_reference(q, pool, 0, tables, context_lens, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_rejects_a_length_past_its_block_table():
+    kc = torch.randn(4, 16, 1, 8)
+    with pytest.raises(RuntimeError, match=r"context_lens\[0\] exceeds its block table"):
+        cpu_ops.paged_decode_attention(torch.randn(1, 1, 8), kc, kc.clone(), torch.zeros(1, 2, dtype=torch.int32),
+                                       torch.tensor([33], dtype=torch.int32), 1.0)
+
+
+def test_env_var_turns_the_ops_off():
+    code = "from kernels import cpu_ops; print(cpu_ops.available())"
+    env = {**os.environ, cpu_ops.KERNEL_ENV: "torch"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "False"
