@@ -6,8 +6,8 @@ Paths:
   kernel at M=1, ~1.15x at M=16) where that kernel builds and the CPU has AVX2, else
   torch's portable int4 kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations). For M >=
   ``PREFILL_M`` the weight is dequantized to fp32 per call into a reused scratch buffer and run
-  through the fp32 GEMM, which beats both int4 kernels at prefill shapes (AVX2 kernel 9.1 ms vs
-  5.5 ms at M=256 for gate/up). Either way only one copy of the weight is kept: the dequantizer
+  through the fp32 GEMM, which beats both int4 kernels at prefill shapes (gate/up at M=256:
+  5.5 ms, the AVX2 kernel's int8 first version 9.1 ms). Either way only one copy of the weight is kept: the dequantizer
   reads the kernel's own layout (torch's packed bytes: layout probed once, see
   ``_packed_block_n``). int8 weights and plain tensors use fp32 GEMM.
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
@@ -28,8 +28,9 @@ import torch
 from kernels import cpu_ops
 from quant.formats import QuantizedTensor, unpack_int4
 
-# Measured crossover of the AVX2 kernel against dequantize + fp32 GEMM: ~40 rows (gate/up: 1.16
-# vs 1.27 ms at 32, 2.29 vs 1.84 ms at 64); torch's kernel loses from ~32 on as well.
+# Crossover against dequantize + fp32 GEMM, measured with the kernel's first (int8-activation,
+# faster) version: ~40 rows (gate/up 1.16 vs 1.27 ms at 32, 2.29 vs 1.84 ms at 64); the int16
+# version costs more per row, so its crossover is no higher. torch's kernel loses from ~32 on.
 PREFILL_M = 32
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it
 _PACK_CHUNK_ROWS = 4096  # a multiple of every packing block width
@@ -178,8 +179,9 @@ def _to_device(weight: QuantizedTensor, device: torch.device) -> QuantizedTensor
 
 def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T for x (..., K). Returns fp32 on the exact, prefill and AVX2 int4 paths, bf16
-    from torch's int4/bf16 CPU kernels at thin M (left unconverted: the callers' next op, a residual add or
-    RoPE against fp32 tensors, promotes it for free; a separate .float() costed ~2 us per call),
+    from torch's int4/bf16 CPU kernels at thin M (left unconverted: the callers' next op, a
+    residual add or RoPE against fp32 tensors, promotes it for free; a separate .float() costed
+    ~2 us per call),
     x's dtype on Triton. ``scratch``: a reusable fp32 buffer for the int4_cpu prefill path (see
     scratch_numel)."""
     lead = x.shape[:-1]
