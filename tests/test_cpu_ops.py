@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from test_paged_attention import LAYER, _q, build
 
 from kernels import cpu_ops
 from kernels.dispatch import linear, prepare_linear
-from kernels.kv_pool import KVPool
 from kernels.paged_attention import paged_decode_attention_reference
 from kernels.reference import int4_gemm_reference, int4_int16_gemm_reference
 from quant.formats import quantize_int4
@@ -97,25 +97,14 @@ def test_rms_norm_matches_torch(rows, hidden):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (40, 2), (8, 1)])
 def test_decode_attention_matches_reference(dtype, head_dim, group):
-    lens, block_size, num_kv_heads = [1, 17, 40, 5], 16, 2
-    gen = torch.Generator().manual_seed(head_dim + group)
-    nbs = [-(-n // block_size) for n in lens]
-    pool = KVPool(1, sum(nbs) + 2, block_size, num_kv_heads, head_dim, dtype, dtype)
-    perm = torch.randperm(pool.num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
-    slots, used = [], 0
-    for i, (n, nb) in enumerate(zip(lens, nbs, strict=True)):
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-        slots += [int(tables[i, t // block_size]) * block_size + t % block_size for t in range(n)]
-    k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen) * 2 + 0.3
-    v = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen) - 0.4
-    pool.write(0, k, v, torch.tensor(slots))
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen) + 0.1
+    # The pool test_paged_attention builds: shuffled blocks, lengths off the block size.
+    lens = [1, 17, 40, 5]
+    pool, tables = build(dtype, dtype, head_dim, 2, lens, block_size=16, seed=head_dim + group)
+    q = _q((len(lens), 2 * group, head_dim), seed=group)
     context_lens = torch.tensor(lens, dtype=torch.int32)
-    kc, vc = pool.k_caches[0].data, pool.v_caches[0].data
+    kc, vc = pool.k_caches[LAYER].data, pool.v_caches[LAYER].data
     out = cpu_ops.paged_decode_attention(q, kc, vc, tables, context_lens, head_dim ** -0.5)
-    ref = paged_decode_attention_reference(q, pool, 0, tables, context_lens, head_dim ** -0.5)
+    ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, head_dim ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -30,7 +30,6 @@
 
 namespace {
 
-using edgeinfer_cpu::hmax;
 using edgeinfer_cpu::hsum;
 using edgeinfer_cpu::to_float;
 
