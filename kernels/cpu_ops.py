@@ -15,6 +15,8 @@ The ops and their references:
 - ``paged_decode_attention`` (attention.cpp): one-token attention over plain KV caches; the
   torch path of kernels.paged_attention is its reference.
 - ``rms_norm`` (rms_norm.cpp): torch.nn.functional.rms_norm is its reference.
+- ``decode_layers`` (decode_layers.cpp): all transformer layers of a decode step in one call,
+  through the ops above; edgeinfer.models.llama's per-op forward is its reference.
 """
 
 from __future__ import annotations
@@ -109,6 +111,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """fp32 (S, Hq, D): one query token per sequence over plain (blocks, block_size, Hkv, D)
     caches, read through int32 block tables up to int32 context lengths."""
     return torch.ops.edgeinfer_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], group_size: int, cos: torch.Tensor,
+                  signed_sin: torch.Tensor, positions: torch.Tensor, k_caches: list[torch.Tensor],
+                  v_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, num_heads: int, scale: float, eps: float) -> None:
+    """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
+    into its plain cache. ``weights``: per layer the input norm, the QKV, output and gate/up
+    weights' (packed, scales, mins), the post-attention norm, then the down weight's
+    (``decode_layer_weights``); ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables."""
+    torch.ops.edgeinfer_cpu.decode_layers(h, weights, group_size, cos, signed_sin, positions, k_caches, v_caches,
+                                          slot_mapping, block_tables, context_lens, num_heads, scale, eps)
+
+
+def decode_layer_weights(input_norm: torch.Tensor, qkv: CpuInt4Weight, o: CpuInt4Weight, post_norm: torch.Tensor,
+                         gate_up: CpuInt4Weight, down: CpuInt4Weight) -> list[torch.Tensor]:
+    """One layer's 14 tensors in decode_layers' order."""
+    parts = [input_norm.float().contiguous()]
+    for w in (qkv, o):
+        parts += [w.packed, w.scales, w.mins]
+    parts.append(post_norm.float().contiguous())
+    for w in (gate_up, down):
+        parts += [w.packed, w.scales, w.mins]
+    return parts
 
 
 @functools.cache

@@ -31,7 +31,7 @@ def _weight(n, k, group, scale_dtype, seed):
 
 
 @pytest.mark.parametrize("n,k,group", [(37, 96, 32), (50, 128, 64), (9, 32, 32), (130, 224, 32)])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_int4_gemm_matches_references(n, k, group, m, scale_dtype):
     weight = _weight(n, k, group, scale_dtype, seed=n + m)

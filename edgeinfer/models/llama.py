@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
 from kernels import cpu_ops
-from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
+from kernels.dispatch import PREFILL_M, PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
@@ -146,6 +146,26 @@ class LlamaModel:
         # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
         self._cpu_norm = self.device.type == "cpu" and cpu_ops.available()
         self._key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
+        self._decode_weights, self._decode_group = self._fused_decode_weights()
+        # Decode steps run as one C++ call for all layers where the weights allow it (see
+        # _fused_decode_weights); tests turn this off to compare with the per-op forward.
+        self.fused_decode = self._decode_weights is not None
+
+    def _fused_decode_weights(self) -> tuple[list[torch.Tensor] | None, int]:
+        """decode_layers' weight list when every linear runs the AVX2 int4 kernel with one group
+        size (the CPU fast path on int4 checkpoints), else (None, 0)."""
+        if self.device.type != "cpu" or not cpu_ops.available():
+            return None, 0
+        kernels = [w.kernel for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if not all(isinstance(k, cpu_ops.CpuInt4Weight) for k in kernels):
+            return None, 0
+        groups = {k.group_size for k in kernels}
+        if len(groups) != 1:
+            return None, 0
+        weights = [t for layer in self.layers for t in cpu_ops.decode_layer_weights(
+            layer.input_norm, layer.qkv.kernel, layer.o.kernel, layer.post_norm, layer.gate_up.kernel,
+            layer.down.kernel)]
+        return weights, groups.pop()
 
     def _dense(self, t: Weight) -> torch.Tensor:
         if isinstance(t, QuantizedTensor):
@@ -197,6 +217,16 @@ class LlamaModel:
         # x: (T, heads, head_dim); cos/signed_sin: (T, 1, head_dim)
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
+    def _fused_decode(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
+        c = self.config
+        h = self.embed_tokens(token_ids).contiguous()
+        cpu_ops.decode_layers(
+            h, self._decode_weights, self._decode_group, self._cos, self._sin, batch.positions,
+            [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
+            batch.block_tables, batch.context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps,
+        )
+        return self._head(self._rms_norm(h[batch.logits_indices], self.norm))
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool,
                 key_sink: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -204,6 +234,9 @@ class LlamaModel:
         ``key_sink`` collects each layer's keys after RoPE (calibration)."""
         c = self.config
         num_tokens = token_ids.shape[0]
+        if self.fused_decode and batch.is_decode and key_sink is None and num_tokens < PREFILL_M and \
+                kv.k_dtype == kv.v_dtype and kv.k_dtype in PLAIN_DTYPES:
+            return self._fused_decode(token_ids, batch, kv)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         scale = c.head_dim ** -0.5

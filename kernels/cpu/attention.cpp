@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -124,6 +125,21 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   });
 }
 
+// decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size.
+void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
+                int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale, float* out) {
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const auto run = [&](auto* k, auto* v) {
+    decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
+    case at::kBFloat16: run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "plain caches only (fp32, bf16, fp16), got ", k_cache.scalar_type());
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q_in.dim() == 3, "q must be (S, Hq, D)");
@@ -146,20 +162,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(len_ptr[s] <= tables.size(1) * block_size, "context_lens[", s, "] exceeds its block table");
   }
   at::Tensor out = at::zeros_like(q);
-  const auto run = [&](auto* k, auto* v) {
-    decode(q.data_ptr<float>(), k, v, tables.data_ptr<int32_t>(), tables.size(1), len_ptr, num_seqs, num_heads,
-           num_kv_heads, head_dim, block_size, static_cast<float>(scale), out.data_ptr<float>());
-  };
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
-    case at::kBFloat16: run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: run(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "plain caches only (fp32, bf16, fp16), got ", k_cache.scalar_type());
-  }
+  decode_any(q.data_ptr<float>(), k_cache, v_cache, tables.data_ptr<int32_t>(), tables.size(1), len_ptr, num_seqs,
+             num_heads, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
+
+void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
+                                     int64_t num_heads, float scale, float* out) {
+  decode_any(q, k_cache, v_cache, tables, table_stride, lens, num_seqs, num_heads, scale, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "

@@ -11,17 +11,22 @@
 // Activations become int16 with a scale per 4 values (see quantize_row), so a block's dot
 // product is two madd on integers and one fp32 multiply of lanes:
 //     sum_i x_i * (q_i * s + mn) ~= s * sum_l d_l * sum_{i in l} q_i * xq_i + mn * sum_i x_i
-// with the exact float block sum in the min term. Decode (M = 1) reads each weight byte once
-// with little arithmetic per byte: 1.45-1.8x torch's int4 CPU kernel in cache. A weight block
-// is reused for up to kTile activation rows, but per block and row the integer dot still needs
-// cvt + scale + FMA, so at M >= 4 this is only ~1.15x torch's kernel (AVX2 has no int dot
-// product instruction); wide prefill goes to dequantize + fp32 GEMM.
+// with the exact float group sum in the min term (one dot product per output at the end).
+// Decode (M = 1) reads each weight byte once with ~9 instructions per 32 weights and runs near
+// memory speed on 2 threads (the 49152 x 576 head at ~19 GB/s, measured). A weight block is
+// unpacked once for up to kTile activation rows, but per block and row the integer dot still
+// needs cvt + scale + FMA (AVX2 has no int dot product instruction), so 16 rows cost ~11x one;
+// wide prefill goes to dequantize + fp32 GEMM.
+//
+// The scales are converted to fp32 once per weight row, not per block: a per-block fp16
+// conversion, and a division to find a block's group, each cost more than the block's madds.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -84,65 +89,90 @@ inline __m256i unpack_block(const uint8_t* w) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-// The block's codes 0..15 and 16..31 as two vectors of 16 int16 (the GEMM's form).
+// The block's codes 0..15 and 16..31 as two vectors of 16 int16: one widening of the 16 bytes,
+// then each 16-bit lane holds a whole byte, so its low nibble is code j and the rest code 16 + j.
 inline void unpack_block16(const uint8_t* w, __m256i* low, __m256i* high) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  *low = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-  *high = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  *low = _mm256_and_si256(wide, _mm256_set1_epi16(0x0F));
+  *high = _mm256_srli_epi16(wide, 4);
+}
+
+// count values of src as fp32 into dst (a weight row's scales or mins, converted once per row
+// instead of once per block and activation row).
+inline void to_float_row(const float* src, int64_t count, float* dst) { std::copy(src, src + count, dst); }
+inline void to_float_row(const c10::Half* src, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, edgeinfer_cpu::load8(src + i));
+  for (; i < count; ++i) dst[i] = to_float(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t count) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float total = hsum(acc);
+  for (; i < count; ++i) total += a[i] * b[i];
+  return total;
 }
 
 struct Activations {
   const int16_t* q;
-  const float* scale;  // 8 per block: lane l scales codes 4l .. 4l + 3
-  const float* sum;    // 1 per block
+  const float* scale;      // 8 per block: lane l scales codes 4l .. 4l + 3
+  const float* group_sum;  // 1 per weight group: the exact sum of its activations
   int64_t k;
+  int64_t groups;
 };
 
 // y[m0, m0 + T) x [n0, n1) for T activation rows, R weight rows at a time: R * T independent
 // accumulators, because one accumulator per output serialises on the FMA's latency (K = 576 is
-// only 18 blocks per row).
+// only 18 blocks per row). Per block and pair of rows the inner loop is 2 madd, add, cvt, mul,
+// FMA; a weight block is unpacked once for its T activation rows. The min term is one dot
+// product per pair of rows at the end (min * the group's activation sum).
 template <int R, int T, typename S>
 void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x,
-               int64_t m0, int64_t n0, int64_t n1, float* y, int64_t ld_y) {
+               int64_t m0, int64_t n0, int64_t n1, float* y, int64_t ld_y, float* block_scales, float* row_mins) {
   const int64_t k = x.k;
   const int64_t blocks = k / kBlock;
-  const int64_t groups = blocks / group_blocks;
+  const int64_t groups = x.groups;
+  const int16_t* xq = x.q + m0 * k;
+  const float* xs = x.scale + m0 * blocks * 8;
   for (int64_t n = n0; n < n1; n += R) {
     __m256 acc[R][T];
-    float min_acc[R][T];
     for (int i = 0; i < R; ++i) {
-      for (int r = 0; r < T; ++r) {
-        acc[i][r] = _mm256_setzero_ps();
-        min_acc[i][r] = 0.0f;
+      // The row's scales as fp32 once per block (no division by group_blocks in the loop).
+      float* bs = block_scales + i * blocks;
+      if (group_blocks == 1) {
+        to_float_row(scales + (n + i) * groups, groups, bs);
+      } else {
+        to_float_row(scales + (n + i) * groups, groups, row_mins + i * groups);
+        for (int64_t g = groups - 1; g >= 0; --g) std::fill_n(bs + g * group_blocks, group_blocks, row_mins[i * groups + g]);
       }
+      to_float_row(mins + (n + i) * groups, groups, row_mins + i * groups);
+      for (int r = 0; r < T; ++r) acc[i][r] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < blocks; ++b) {
-      __m256i w_low[R], w_high[R];
-      __m256 s[R];
-      float mi[R];
+#pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        unpack_block16(w + (n + i) * (k / 2) + b * (kBlock / 2), &w_low[i], &w_high[i]);
-        s[i] = _mm256_set1_ps(to_float(scales[(n + i) * groups + b / group_blocks]));
-        mi[i] = to_float(mins[(n + i) * groups + b / group_blocks]);
-      }
-      for (int r = 0; r < T; ++r) {
-        const int64_t row = (m0 + r) * blocks + b;
-        const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + row * kBlock));
-        const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + row * kBlock + 16));
-        const __m256 xd = _mm256_loadu_ps(x.scale + row * 8);
-        const float xs = x.sum[row];
-        for (int i = 0; i < R; ++i) {
+        __m256i w_low, w_high;
+        unpack_block16(w + (n + i) * (k / 2) + b * (kBlock / 2), &w_low, &w_high);
+        const __m256 s = _mm256_broadcast_ss(block_scales + i * blocks + b);
+#pragma GCC unroll 8
+        for (int r = 0; r < T; ++r) {
+          const int16_t* xb = xq + r * k + b * kBlock;
           // codes 0..15 times int16: a lane sums 4 products, at most 4 * 15 * 32767 < 2^21,
           // exact in int32 and after cvt to fp32.
-          const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w_low[i], x_low), _mm256_madd_epi16(w_high[i], x_high));
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(s[i], xd), acc[i][r]);
-          min_acc[i][r] += mi[i] * xs;
+          const __m256i dots = _mm256_add_epi32(
+              _mm256_madd_epi16(w_low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+              _mm256_madd_epi16(w_high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+          const __m256 xd = _mm256_loadu_ps(xs + (r * blocks + b) * 8);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(s, xd), acc[i][r]);
         }
       }
     }
     for (int i = 0; i < R; ++i) {
-      for (int r = 0; r < T; ++r) y[(m0 + r) * ld_y + n + i] = hsum(acc[i][r]) + min_acc[i][r];
+      for (int r = 0; r < T; ++r) {
+        y[(m0 + r) * ld_y + n + i] = hsum(acc[i][r]) + dot(row_mins + i * groups, x.group_sum + (m0 + r) * groups, groups);
+      }
     }
   }
 }
@@ -150,12 +180,15 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
 template <int R, typename S>
 void gemm_columns(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x,
                   int64_t m, int64_t n0, int64_t n1, float* y, int64_t ld_y) {
+  std::vector<float> row_params(R * (x.k / kBlock + x.groups));
+  float* rs = row_params.data();
+  float* rm = rs + R * (x.k / kBlock);
   int64_t m0 = 0;
-  for (; m0 + kTile <= m; m0 += kTile) gemm_tile<R, kTile>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y);
+  for (; m0 + kTile <= m; m0 += kTile) gemm_tile<R, kTile>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm);
   switch (m - m0) {
-    case 3: gemm_tile<R, 3>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y); break;
-    case 2: gemm_tile<R, 2>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y); break;
-    case 1: gemm_tile<R, 1>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y); break;
+    case 3: gemm_tile<R, 3>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 2: gemm_tile<R, 2>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 1: gemm_tile<R, 1>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
     default: break;
   }
 }
@@ -171,7 +204,7 @@ void gemm(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks
     if (m == 1) {
       gemm_columns<kRows>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
     } else {
-      gemm_columns<2>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
+      gemm_columns<1>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
     }
   });
   gemm_columns<1>(w, scales, mins, group_blocks, x, m, n_tiled, n, y, n);
@@ -189,32 +222,42 @@ void check_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tenso
               "scales and mins must hold N * K / group_size values");
 }
 
-at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
-                     int64_t group_size) {
-  check_weight(w, scales, mins, group_size);
+void quantized_gemm(const float* xp, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                    int64_t group_size, float* y) {
   const int64_t n = w.size(0);
   const int64_t k = w.size(1) * 2;
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0);
   const int64_t blocks = k / kBlock;
   std::vector<int16_t> q(m * k);
   std::vector<float> scale(m * blocks * 8);
   std::vector<float> sum(m * blocks);
-  const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < m; ++r) {
     quantize_row(xp + r * k, k, q.data() + r * k, scale.data() + r * blocks * 8, sum.data() + r * blocks);
   }
-  at::Tensor y = at::empty({m, n}, x.options());
-  const Activations act{q.data(), scale.data(), sum.data(), k};
   const int64_t group_blocks = group_size / kBlock;
-  if (scales.scalar_type() == at::kHalf) {
-    gemm(w.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(), group_blocks, act, m, n,
-         y.data_ptr<float>());
-  } else {
-    gemm(w.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), group_blocks, act, m, n,
-         y.data_ptr<float>());
+  const int64_t groups = blocks / group_blocks;
+  if (group_blocks > 1) {  // block sums -> group sums, in place (group g's sum lands in slot g)
+    for (int64_t g = 0; g < m * groups; ++g) {
+      float total = 0.0f;
+      for (int64_t j = 0; j < group_blocks; ++j) total += sum[g * group_blocks + j];
+      sum[g] = total;
+    }
   }
+  const Activations act{q.data(), scale.data(), sum.data(), k, groups};
+  if (scales.scalar_type() == at::kHalf) {
+    gemm(w.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(), group_blocks, act, m, n, y);
+  } else {
+    gemm(w.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), group_blocks, act, m, n, y);
+  }
+}
+
+at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                     int64_t group_size) {
+  check_weight(w, scales, mins, group_size);
+  const int64_t k = w.size(1) * 2;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  quantized_gemm(x.data_ptr<float>(), x.size(0), w, scales, mins, group_size, y.data_ptr<float>());
   return y;
 }
 
@@ -259,6 +302,11 @@ void int4_dequantize(const at::Tensor& w, const at::Tensor& scales, const at::Te
 }
 
 }  // namespace
+
+void edgeinfer_cpu::int4_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales,
+                                   const at::Tensor& mins, int64_t group_size, float* y) {
+  quantized_gemm(x, m, w, scales, mins, group_size, y);
+}
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, Tensor mins, int group_size) -> Tensor");

@@ -11,23 +11,14 @@
 
 #include <cmath>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
 
 using edgeinfer_cpu::hsum;
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  TORCH_CHECK(x_in.dim() >= 1, "x must have a last dimension");
-  const int64_t hidden = x_in.size(-1);
-  TORCH_CHECK(weight_in.dim() == 1 && weight_in.numel() == hidden, "weight must be (", hidden, ",)");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const at::Tensor weight = weight_in.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty_like(x);
-  const int64_t rows = x.numel() / hidden;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void norm_rows(const float* xp, const float* wp, int64_t rows, int64_t hidden, float eps, float* op) {
   const int64_t vec = hidden / 8 * 8;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -40,7 +31,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
       }
       float sum = hsum(acc);
       for (int64_t i = vec; i < hidden; ++i) sum += xr[i] * xr[i];
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + static_cast<float>(eps));
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
       const __m256 iv = _mm256_set1_ps(inv);
       for (int64_t i = 0; i < vec; i += 8) {
         _mm256_storeu_ps(orow + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), iv), _mm256_loadu_ps(wp + i)));
@@ -48,10 +39,26 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
       for (int64_t i = vec; i < hidden; ++i) orow[i] = xr[i] * inv * wp[i];
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  TORCH_CHECK(x_in.dim() >= 1, "x must have a last dimension");
+  const int64_t hidden = x_in.size(-1);
+  TORCH_CHECK(weight_in.dim() == 1 && weight_in.numel() == hidden, "weight must be (", hidden, ",)");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor weight = weight_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(x);
+  norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), x.numel() / hidden, hidden, static_cast<float>(eps),
+            out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
+
+void edgeinfer_cpu::rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t hidden, float eps,
+                                  float* out) {
+  norm_rows(x, weight, rows, hidden, eps, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
 

@@ -1,0 +1,190 @@
+// Every transformer layer of one decode step in a single call, for AVX2 CPUs.
+//
+// Op torch.ops.edgeinfer_cpu.decode_layers; edgeinfer.models.llama calls it for decode steps on
+// the CPU fast path (int4 linears, plain KV caches) and its own per-op forward is the reference.
+// Per layer: RMSNorm, QKV (int4 GEMM), RoPE, the K/V write into the paged pool, attention, the
+// output projection and residual, RMSNorm, gate/up, SiLU * up, down and residual: the same
+// arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
+// torch dispatches per layer (~3-5 us each, 30 layers, every token).
+//
+// h (M, hidden) fp32 is updated in place: M tokens, one per sequence, at `positions`, written to
+// pool slots `slot_mapping`; sequence s attends over its first context_lens[s] slots through row s
+// of block_tables. RoPE tables are (max_position, head_dim) fp32: cos, and sin with its first
+// half negated, so rope(x)[d] = x[d] * cos[d] + x[(d + D/2) % D] * signed_sin[d].
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "ops.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kPerLayer = 14;  // input_norm, qkv (w, scales, mins), o (3), post_norm, gate_up (3), down (3)
+
+// RoPE in place on `heads` vectors of head_dim at x for one token.
+void rope(float* x, int64_t heads, int64_t head_dim, const float* cos, const float* signed_sin) {
+  const int64_t half = head_dim / 2;
+  float rotated[512];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) rotated[d] = v[d] * cos[d] + v[(d + half) % head_dim] * signed_sin[d];
+    std::copy(rotated, rotated + head_dim, v);
+  }
+}
+
+template <typename T>
+void store_row(const float* src, int64_t count, T* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+void write_kv(const float* src, int64_t count, at::Tensor& cache, int64_t slot) {
+  const int64_t offset = slot * count;
+  switch (cache.scalar_type()) {
+    case at::kFloat: store_row(src, count, cache.data_ptr<float>() + offset); break;
+    case at::kBFloat16: store_row(src, count, cache.data_ptr<c10::BFloat16>() + offset); break;
+    case at::kHalf: store_row(src, count, cache.data_ptr<c10::Half>() + offset); break;
+    default: TORCH_CHECK(false, "plain caches only (fp32, bf16, fp16), got ", cache.scalar_type());
+  }
+}
+
+// out = silu(gate) * up over rows of [gate | up]; silu(g) = g * sigmoid(g) with the exp of -|g|
+// only (exp_nonpositive), relative error ~2e-7 like the softmax's.
+void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up + r * 2 * inter;
+    const float* u = g + inter;
+    float* o = out + r * inter;
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + i);
+      const __m256 e = edgeinfer_cpu::exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
+      const __m256 denom = _mm256_add_ps(one, e);
+      // sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0
+      const __m256 numer = _mm256_blendv_ps(one, e, gv);
+      const __m256 sig = _mm256_div_ps(numer, denom);
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+void add_into(float* h, const float* y, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) h[i] += y[i];
+}
+
+void check_linear(const at::TensorList& w, int64_t at, int64_t n, int64_t k, int64_t group_size, const char* name) {
+  const at::Tensor& packed = w[at];
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == n && packed.size(1) * 2 == k,
+              name, " must be a contiguous uint8 (", n, ", ", k / 2, ") int4 weight, got ", packed.sizes());
+  const at::Tensor& scales = w[at + 1];
+  const at::Tensor& mins = w[at + 2];
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
+                  (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+                  scales.is_contiguous() && mins.is_contiguous() && k % group_size == 0 &&
+                  scales.numel() == n * (k / group_size) && mins.numel() == scales.numel(),
+              name, " scales and mins must be contiguous fp16 or fp32 of one dtype, N * K / group_size values");
+}
+
+void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, const at::Tensor& cos_table,
+                   const at::Tensor& sin_table, const at::Tensor& positions_in, at::TensorList k_caches,
+                   at::TensorList v_caches, const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
+                   const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps) {
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == kPerLayer * layers,
+              "need ", kPerLayer, " weights and one K and V cache per layer");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0, "group_size must be a positive multiple of 32");
+  const int64_t m = h.size(0), hidden = h.size(1);
+  const at::Tensor& k0 = k_caches[0];
+  TORCH_CHECK(k0.dim() == 4, "caches must be (blocks, block_size, Hkv, D)");
+  const int64_t num_kv_heads = k0.size(2), head_dim = k0.size(3);
+  TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 512 && num_heads % num_kv_heads == 0,
+              "head_dim must be a multiple of 8 (<= 512) and Hq a multiple of Hkv");
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor& kc = k_caches[l];
+    const at::Tensor& vc = v_caches[l];
+    TORCH_CHECK(kc.sizes() == k0.sizes() && vc.sizes() == k0.sizes() && kc.scalar_type() == vc.scalar_type() &&
+                    kc.is_contiguous() && vc.is_contiguous(),
+                "every layer's K and V caches must be contiguous, of one shape and dtype");
+  }
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  const int64_t inter = weights[8].size(0) / 2;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
+    TORCH_CHECK(w[0].numel() == hidden && w[7].numel() == hidden && w[0].scalar_type() == at::kFloat &&
+                    w[7].scalar_type() == at::kFloat && w[0].is_contiguous() && w[7].is_contiguous(),
+                "norm weights must be contiguous fp32 (hidden,)");
+    check_linear(w, 1, qkv_size, hidden, group_size, "qkv");
+    check_linear(w, 4, hidden, q_size, group_size, "o");
+    check_linear(w, 8, 2 * inter, hidden, group_size, "gate_up");
+    check_linear(w, 11, hidden, inter, group_size, "down");
+  }
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor lens = context_lens_in.to(at::kInt).contiguous();
+  TORCH_CHECK(positions.numel() == m && slots.numel() == m && lens.numel() == m && tables.dim() == 2 &&
+                  tables.size(0) == m,
+              "decode steps carry one token per sequence: positions, slot_mapping, context_lens and block_tables "
+              "must have M rows");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.dim() == 2 &&
+                  cos_table.size(1) == head_dim && sin_table.sizes() == cos_table.sizes(),
+              "RoPE tables must be contiguous fp32 (max_position, head_dim)");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  const int64_t num_slots = k0.size(0) * k0.size(1);
+  for (int64_t t = 0; t < m; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_table.size(0), "position ", pos[t], " is outside the RoPE table");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the KV pool");
+    TORCH_CHECK(len[t] > 0 && len[t] <= tables.size(1) * k0.size(1), "context_lens[", t, "] exceeds its block table");
+  }
+
+  std::vector<float> x(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), y(m * hidden),
+      gate_up(m * 2 * inter), act(m * inter);
+  float* hp = h.data_ptr<float>();
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
+    at::Tensor k_cache = k_caches[l];
+    at::Tensor v_cache = v_caches[l];
+    edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
+    edgeinfer_cpu::int4_gemm_rows(x.data(), m, w[1], w[2], w[3], group_size, qkv.data());
+    for (int64_t t = 0; t < m; ++t) {
+      float* row = qkv.data() + t * qkv_size;
+      rope(row, num_heads + num_kv_heads, head_dim, cos_table.data_ptr<float>() + pos[t] * head_dim,
+           sin_table.data_ptr<float>() + pos[t] * head_dim);
+      write_kv(row + q_size, kv_size, k_cache, slot[t]);
+      write_kv(row + q_size + kv_size, kv_size, v_cache, slot[t]);
+      std::copy(row, row + q_size, q.data() + t * q_size);
+    }
+    edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, tables.data_ptr<int32_t>(), tables.size(1), len, m,
+                                    num_heads, static_cast<float>(scale), attn.data());
+    edgeinfer_cpu::int4_gemm_rows(attn.data(), m, w[4], w[5], w[6], group_size, y.data());
+    add_into(hp, y.data(), m * hidden);
+    edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
+    edgeinfer_cpu::int4_gemm_rows(x.data(), m, w[8], w[9], w[10], group_size, gate_up.data());
+    silu_mul(gate_up.data(), m, inter, act.data());
+    edgeinfer_cpu::int4_gemm_rows(act.data(), m, w[11], w[12], w[13], group_size, y.data());
+    add_into(hp, y.data(), m * hidden);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
+  m.def("decode_layers(Tensor(a!) h, Tensor[] weights, int group_size, Tensor cos, Tensor signed_sin, "
+        "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, int num_heads, float scale, float eps) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

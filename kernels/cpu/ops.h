@@ -1,0 +1,23 @@
+// The entry points the C++ ops share: decode_layers.cpp composes them into one call per decode
+// step. Each is defined in its own op's file and checks nothing; the ops that wrap them check.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace edgeinfer_cpu {
+
+// int4_gemm.cpp: y (M, N) = x (M, K) @ W.T, x rounded to int16 with a scale per 4 values.
+void int4_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                    int64_t group_size, float* y);
+
+// rms_norm.cpp: out = x / sqrt(mean(x^2) + eps) * weight, row by row.
+void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t hidden, float eps, float* out);
+
+// attention.cpp: out (S, Hq, D) for q (S, Hq, D) over plain caches (blocks, block_size, Hkv, D).
+void decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
+                      int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale,
+                      float* out);
+
+}  // namespace edgeinfer_cpu

@@ -1,0 +1,105 @@
+"""The fused C++ decode step (kernels/cpu/decode_layers.cpp) against the model's per-op forward:
+same logits and the same K/V written, for several sequences with scattered blocks, every plain
+KV dtype; bad arguments get errors that name them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from edgeinfer.config import ModelConfig
+from edgeinfer.model_runner import SeqChunk, build_batch
+from edgeinfer.models.llama import LlamaModel
+from edgeinfer.synthetic import synthetic_model
+from kernels import cpu_ops
+from kernels.kv_pool import KVPool
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the AVX2 CPU ops do not build here")
+
+# q_size (3 heads x 32 = 96) differs from hidden (64), and 3 query heads share 1 KV head.
+CONFIG = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=3,
+                     num_kv_heads=1, head_dim=32, max_position=128)
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    loaded = synthetic_model(CONFIG, "int4", group_size=32, seed=3)
+    model = LlamaModel(loaded.config, loaded.weights)
+    assert model.fused_decode, "an int4 g32 model on the CPU takes the fused decode path"
+    return model
+
+
+def _prefilled(model: LlamaModel, kv_dtype: str, prompts: list[list[int]],
+               tables: list[tuple[int, ...]]) -> KVPool:
+    c = model.config
+    pool = KVPool(c.num_layers, 24, BLOCK, c.num_kv_heads, c.head_dim, kv_dtype, kv_dtype, model.device)
+    for ids, table in zip(prompts, tables, strict=True):
+        token_ids, batch = build_batch([SeqChunk(tuple(ids), 0, table)], BLOCK, model.device)
+        model.forward(token_ids, batch, pool)
+    return pool
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16"])
+def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    lengths = (1, 6, 13)  # contexts that end mid-block, one a single token
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    tables = [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]  # scattered, out of order, room for decode
+    # Where the two paths differ in the last bits (below), a bf16 / fp16 cache may round a value
+    # one step apart: tolerances are the cache dtype's resolution, 1e-4 for fp32.
+    cache_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[kv_dtype]
+    tol = max(1e-4, torch.finfo(cache_dtype).eps)
+    fused_pool = _prefilled(model, kv_dtype, prompts, tables)
+    reference_pool = copy.deepcopy(fused_pool)
+    for step in range(3):
+        chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n + step, t)
+                  for n, t in zip(lengths, tables, strict=True)]
+        token_ids, batch = build_batch(chunks, BLOCK, model.device)
+        assert batch.is_decode
+        fused = model.forward(token_ids, batch, fused_pool)
+        model.fused_decode = False
+        try:
+            reference = model.forward(token_ids, batch, reference_pool)
+        finally:
+            model.fused_decode = True
+        assert fused.shape == reference.shape == (3, CONFIG.vocab_size)
+        torch.testing.assert_close(fused, reference, rtol=tol, atol=tol * reference.abs().max().item())
+    # Not bit-exact from layer 1 on: SiLU's exp differs from torch's in the last bits, and the
+    # int16 rounding of the next GEMM's input can turn that into one code step (~3e-5 relative).
+    for fused_cache, reference_cache in zip(fused_pool.k_caches + fused_pool.v_caches,
+                                            reference_pool.k_caches + reference_pool.v_caches, strict=True):
+        expected = reference_cache.data.float()
+        torch.testing.assert_close(fused_cache.data.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_fused_decode_is_off_where_the_weights_do_not_allow_it() -> None:
+    loaded = synthetic_model(CONFIG, "int8", group_size=32, seed=3)
+    assert not LlamaModel(loaded.config, loaded.weights).fused_decode  # int8: no AVX2 int4 kernel
+    loaded = synthetic_model(CONFIG, "int4", group_size=32, seed=3)
+    assert not LlamaModel(loaded.config, loaded.weights, linear_path="reference").fused_decode
+
+
+def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
+    c = model.config
+    pool = KVPool(c.num_layers, 4, BLOCK, c.num_kv_heads, c.head_dim, "fp32", "fp32", model.device)
+    token_ids, batch = build_batch([SeqChunk((1,), 0, (0,))], BLOCK, model.device)
+    h = model.embed_tokens(token_ids).contiguous()
+    k = [cache.data for cache in pool.k_caches]
+    v = [cache.data for cache in pool.v_caches]
+
+    def run(weights=model._decode_weights, positions=batch.positions, slots=batch.slot_mapping, k_caches=k):
+        cpu_ops.decode_layers(h, weights, 32, model._cos, model._sin, positions, k_caches, v, slots,
+                              batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5)
+
+    with pytest.raises(RuntimeError, match="14 weights"):
+        run(weights=model._decode_weights[:-1])
+    with pytest.raises(RuntimeError, match="outside the KV pool"):
+        run(slots=torch.tensor([4 * BLOCK]))
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        run(positions=torch.tensor([c.max_position]))
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        run(k_caches=[k[0].half()] + k[1:])
+    run()  # the same call with good arguments goes through
