@@ -2,8 +2,8 @@
 
 Paths:
 - ``int4_cpu``: int4 weights on the CPU. Thin M (decode) runs the AVX2 int4 x int16 kernel
-  (kernels.cpu_ops: activations rounded to int16, a scale per 4 values; 1.45-1.8x torch's int4
-  kernel at M=1, ~1.15x at M=16) where that kernel builds and the CPU has AVX2, else
+  (kernels.cpu_ops: activations rounded to int16, a scale per 4 values; 1.9-2.9x torch's int4
+  kernel at M=1, 1.2-1.5x at M=16, tools/bench_cpu_kernels.py) where that kernel builds and the CPU has AVX2, else
   torch's portable int4 kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations). For M >=
   ``PREFILL_M`` the weight is dequantized to fp32 per call into a reused scratch buffer and run
   through the fp32 GEMM, which beats both int4 kernels at prefill shapes (gate/up at M=256:

@@ -1,0 +1,93 @@
+"""The AVX2 int4 GEMM (kernels/cpu/int4_gemm.cpp) against torch's int4 CPU kernel, per call.
+
+For the default model's linear shapes (and its 49152 x 576 head) at several M, prints the
+microseconds per call of torch's ``_weight_int4pack_mm_for_cpu`` (bf16 activations, the peer
+and the fallback path) and of the C++ kernel, the ratio (torch / C++, > 1: ours is faster) and
+the C++ kernel's weight bandwidth. Weights are random Q4-style (fp16 scales and mins, group 32);
+the two kernels run interleaved, median of --repeats, so a noisy host shifts both alike.
+
+    python tools/bench_cpu_kernels.py [--m 1 4 16] [--threads 2] [--repeats 15] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from kernels import cpu_ops  # noqa: E402
+from kernels.dispatch import _prepare_int4_cpu, linear  # noqa: E402
+from quant.formats import QuantizedTensor, quantize_int4  # noqa: E402
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+
+
+def _weight(n: int, k: int) -> QuantizedTensor:
+    w = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)), 32)
+    return QuantizedTensor("int4", w.shape, 32, w.qweight, w.scales.half(), w.mins.half())
+
+
+def _time_us(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def run(ms: list[int], repeats: int) -> list[dict[str, float | str | int]]:
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        weight = _weight(n, k)
+        ours = cpu_ops.prepare_int4(weight)
+        torch_weight = _prepare_int4_cpu(weight)
+        for m in ms:
+            x = torch.randn(m, k)
+            calls = max(1, int(2e5 // (n * max(m, 4))))  # ~ the same work per sample for every shape
+            fns = {"torch": functools.partial(linear, x, torch_weight),
+                   "cpp": functools.partial(cpu_ops.int4_linear, x, ours)}
+            for fn in fns.values():
+                fn()
+            samples: dict[str, list[float]] = {key: [] for key in fns}
+            for _ in range(repeats):
+                for key, fn in fns.items():
+                    samples[key].append(_time_us(fn, calls))
+            torch_us, cpp_us = (statistics.median(samples[key]) for key in ("torch", "cpp"))
+            rows.append({"weight": f"{name} {n}x{k}", "m": m, "torch_us": round(torch_us, 1),
+                         "cpp_us": round(cpp_us, 1), "speedup": round(torch_us / cpp_us, 2),
+                         "cpp_gb_s": round(ours.nbytes / cpp_us / 1e3, 1)})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if not cpu_ops.available():
+        print("the AVX2 CPU ops do not build or run on this machine; nothing to compare")
+        return
+    torch.set_num_threads(args.threads)
+    rows = run(args.m, args.repeats)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{args.threads} threads, median of {args.repeats}; speed-up = torch / C++")
+    print("| weight | M | torch us | C++ us | speed-up | C++ GB/s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['weight']} | {r['m']} | {r['torch_us']} | {r['cpp_us']} | {r['speedup']}x | {r['cpp_gb_s']} |")
+
+
+if __name__ == "__main__":
+    main()
