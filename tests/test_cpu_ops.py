@@ -96,15 +96,31 @@ def test_rms_norm_matches_torch(rows, hidden):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (40, 2), (8, 1)])
-def test_decode_attention_matches_reference(dtype, head_dim, group):
+# Few sequences with long contexts are split into context parts and merged; [1, 200] leaves the
+# 1-token context an empty part.
+@pytest.mark.parametrize("lens", [[1, 17, 40, 5], [300], [1, 200]])
+def test_decode_attention_matches_reference(dtype, head_dim, group, lens):
     # The pool test_paged_attention builds: shuffled blocks, lengths off the block size.
-    lens = [1, 17, 40, 5]
     pool, tables = build(dtype, dtype, head_dim, 2, lens, block_size=16, seed=head_dim + group)
     q = _q((len(lens), 2 * group, head_dim), seed=group)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     kc, vc = pool.k_caches[LAYER].data, pool.v_caches[LAYER].data
     out = cpu_ops.paged_decode_attention(q, kc, vc, tables, context_lens, head_dim ** -0.5)
     ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_merges_context_parts_with_an_empty_one():
+    # One KV head, two sequences: fewer pairs than two per thread, so contexts split in parts;
+    # the 1-token context leaves its first part empty.
+    torch.set_num_threads(2)
+    lens = [1, 200]
+    pool, tables = build("fp32", "fp32", 64, 1, lens, block_size=16, seed=5)
+    q = _q((2, 3, 64), seed=5)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    out = cpu_ops.paged_decode_attention(q, pool.k_caches[LAYER].data, pool.v_caches[LAYER].data, tables,
+                                         context_lens, 0.125)
+    ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -3,9 +3,10 @@
 // Op torch.ops.edgeinfer_cpu.paged_decode_attention; kernels.paged_attention calls it on the
 // CPU and its torch path is the reference. One query token per sequence, q head h reads KV head
 // h / (Hq / Hkv), the context of sequence s is its first context_lens[s] slots through its block
-// table. Work splits over (sequence, KV head) pairs; a pair scores its g query heads against
-// every cached key, takes an exact softmax (max subtracted, fp32) and sums the values. At one
-// token per head this is ~15 us per layer instead of ~90 for two bmm's and a softmax (L = 340).
+// table. Work splits over (sequence, KV head) pairs, and over parts of the context where there
+// are fewer pairs than two per thread; an item scores its g query heads against its keys, takes
+// an exact softmax (max subtracted, fp32) and sums the values; parts merge by their maxima.
+// At one token per head this is ~15 us per layer instead of ~90 for two bmm's and a softmax.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "ops.h"
@@ -50,6 +52,62 @@ void weighted_values(const float* p, const T* v_cache, const int64_t* rows, int6
   for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_add_ps(even[i], odd[i]), iv));
 }
 
+// One query head against `len` cached tokens (their K/V row offsets in `rows`): the largest
+// score, the sum of exp(score - max) and the unnormalised value sum o (head_dim floats).
+// `scores` must hold len + 8 floats.
+template <typename T>
+void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                 int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, float* o) {
+  // Four keys at a time: four independent FMA chains instead of one serial chain per key.
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qj + d);
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(load8(k_cache + rows[t + i] + d), qv, acc[i]);
+    }
+    for (int i = 0; i < 4; ++i) scores[t + i] = hsum(acc[i]) * scale;
+  }
+  for (; t < len; ++t) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(load8(k_cache + rows[t] + d), _mm256_loadu_ps(qj + d), acc);
+    scores[t] = hsum(acc) * scale;
+  }
+  __m256 mv = _mm256_set1_ps(scores[0]);
+  for (t = 0; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scores + t));
+  float m = hmax(mv);
+  for (; t < len; ++t) m = std::max(m, scores[t]);
+  mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= len; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+    _mm256_storeu_ps(scores + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  if (t < len) {  // the tail through one padded vector (scores has 8 spare floats)
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+    alignas(32) float tail[8];
+    _mm256_store_ps(tail, e);
+    for (int64_t i = 0; t + i < len; ++i) {
+      scores[t + i] = tail[i];
+      sum += tail[i];
+    }
+  }
+  *m_out = m;
+  *l_out = sum;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+    switch (std::min<int64_t>(32, head_dim - d0) / 8) {
+      case 4: weighted_values<4>(scores, v_cache, rows, len, d0, 1.0f, o + d0); break;
+      case 3: weighted_values<3>(scores, v_cache, rows, len, d0, 1.0f, o + d0); break;
+      case 2: weighted_values<2>(scores, v_cache, rows, len, d0, 1.0f, o + d0); break;
+      default: weighted_values<1>(scores, v_cache, rows, len, d0, 1.0f, o + d0); break;
+    }
+  }
+}
+
+constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not worth its merge
+
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -57,72 +115,69 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t pairs = num_seqs * num_kv_heads;
+  // Work items are (sequence, KV head, context part). With fewer pairs than two per thread (one
+  // sequence has 3 KV heads: a 2:1 split on two threads, each streaming its K/V from memory),
+  // contexts are cut into parts whose partial softmaxes are merged after (flash decoding).
+  const int64_t want = 2 * at::get_num_threads();
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max<int64_t>(max_len, lens[s]);
+  const int64_t parts = pairs >= want ? 1 : std::max<int64_t>(1, std::min((want + pairs - 1) / pairs, max_len / kMinPart));
+  const int64_t items = pairs * parts;
+  std::vector<float> part_m(items * group), part_l(items * group), part_o(items * group * head_dim);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     std::vector<int64_t> rows;  // element offset of each context token's (K or V) row
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t s = p / num_kv_heads;
-      const int64_t h = p % num_kv_heads;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t s = item / (num_kv_heads * parts);
+      const int64_t h = item / parts % num_kv_heads;
+      const int64_t part = item % parts;
       const int64_t len = lens[s];
-      if (len <= 0) continue;
-      rows.resize(len);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // block by block: no division per token
-        const int64_t base = tables[s * table_stride + t0 / block_size] * block_stride + h * head_dim;
-        for (int64_t i = 0; i < block_size && t0 + i < len; ++i) rows[t0 + i] = base + i * slot_stride;
+      const int64_t t_begin = len * part / parts, t_end = len * (part + 1) / parts;
+      float* m = part_m.data() + item * group;
+      float* l = part_l.data() + item * group;
+      float* o = part_o.data() + item * group * head_dim;
+      if (t_end <= t_begin) {  // an empty part weighs nothing in the merge
+        std::fill_n(m, group, -INFINITY);
+        std::fill_n(l, group, 0.0f);
+        std::fill_n(o, group * head_dim, 0.0f);
+        continue;
       }
-      scores.resize(len + 8);
+      rows.resize(t_end - t_begin);
+      for (int64_t t = t_begin; t < t_end;) {  // block by block: no division per token
+        const int64_t block = t / block_size;
+        const int64_t base = tables[s * table_stride + block] * block_stride + h * head_dim;
+        for (; t < t_end && t / block_size == block; ++t) rows[t - t_begin] = base + (t % block_size) * slot_stride;
+      }
+      scores.resize(t_end - t_begin + 8);
       for (int64_t j = 0; j < group; ++j) {
-        const int64_t head = h * group + j;
-        const float* qj = q + (s * num_heads + head) * head_dim;
-        // Four keys at a time: four independent FMA chains instead of one serial chain per key.
-        int64_t t = 0;
-        for (; t + 4 <= len; t += 4) {
-          __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-          for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qj + d);
-            for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(load8(k_cache + rows[t + i] + d), qv, acc[i]);
-          }
-          for (int i = 0; i < 4; ++i) scores[t + i] = hsum(acc[i]) * scale;
-        }
-        for (; t < len; ++t) {
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(load8(k_cache + rows[t] + d), _mm256_loadu_ps(qj + d), acc);
-          scores[t] = hsum(acc) * scale;
-        }
-        __m256 mv = _mm256_set1_ps(scores[0]);
-        for (t = 0; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(&scores[t]));
-        float m = hmax(mv);
-        for (; t < len; ++t) m = std::max(m, scores[t]);
-        mv = _mm256_set1_ps(m);
-        __m256 total = _mm256_setzero_ps();
-        for (t = 0; t + 8 <= len; t += 8) {
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), mv));
-          _mm256_storeu_ps(&scores[t], e);
-          total = _mm256_add_ps(total, e);
-        }
-        float sum = hsum(total);
-        if (t < len) {  // the tail through one padded vector (scores has 8 spare floats)
-          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), mv));
-          alignas(32) float tail[8];
-          _mm256_store_ps(tail, e);
-          for (int64_t i = 0; t + i < len; ++i) {
-            scores[t + i] = tail[i];
-            sum += tail[i];
-          }
-        }
-        const float inv = 1.0f / sum;
-        float* o = out + (s * num_heads + head) * head_dim;
-        for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-          switch (std::min<int64_t>(32, head_dim - d0) / 8) {
-            case 4: weighted_values<4>(scores.data(), v_cache, rows.data(), len, d0, inv, o + d0); break;
-            case 3: weighted_values<3>(scores.data(), v_cache, rows.data(), len, d0, inv, o + d0); break;
-            case 2: weighted_values<2>(scores.data(), v_cache, rows.data(), len, d0, inv, o + d0); break;
-            default: weighted_values<1>(scores.data(), v_cache, rows.data(), len, d0, inv, o + d0); break;
-          }
-        }
+        const float* qj = q + (s * num_heads + h * group + j) * head_dim;
+        attend_part(qj, k_cache, v_cache, rows.data(), t_end - t_begin, head_dim, scale, scores.data(), m + j, l + j,
+                    o + j * head_dim);
       }
     }
   });
+  // Merge: out = sum_c o_c exp(m_c - M) / sum_c l_c exp(m_c - M), M the largest part max.
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
+    for (int64_t j = 0; j < group; ++j) {
+      float* dst = out + (s * num_heads + h * group + j) * head_dim;
+      float top = -INFINITY;
+      for (int64_t c = 0; c < parts; ++c) top = std::max(top, part_m[(pair * parts + c) * group + j]);
+      if (top == -INFINITY) continue;  // an empty context: the output stays zero
+      float total = 0.0f;
+      std::fill_n(dst, head_dim, 0.0f);
+      for (int64_t c = 0; c < parts; ++c) {
+        const int64_t at = (pair * parts + c) * group + j;
+        const float w = std::exp(part_m[at] - top);
+        total += part_l[at] * w;
+        const float* o = part_o.data() + at * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * o[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv;
+    }
+  }
 }
 
 // decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size.
