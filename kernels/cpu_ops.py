@@ -118,9 +118,10 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], group_size: int,
                   v_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, num_heads: int, scale: float, eps: float) -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
-    into its plain cache. ``weights``: per layer the input norm, the QKV, output and gate/up
-    weights' (packed, scales, mins), the post-attention norm, then the down weight's
-    (``decode_layer_weights``); ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables."""
+    into its plain cache. ``weights``: 14 per layer (``decode_layer_weights``): the input norm,
+    (packed, scales, mins) of QKV and of the output projection, the post-attention norm, then
+    (packed, scales, mins) of gate/up and of down; ``cos`` / ``signed_sin``: (max_position,
+    head_dim) RoPE tables, the sine's first half negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, group_size, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps)
 
