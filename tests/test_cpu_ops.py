@@ -113,13 +113,17 @@ def test_decode_attention_matches_reference(dtype, head_dim, group, lens):
 def test_decode_attention_merges_context_parts_with_an_empty_one():
     # One KV head, two sequences: fewer pairs than two per thread, so contexts split in parts;
     # the 1-token context leaves its first part empty.
-    torch.set_num_threads(2)
     lens = [1, 200]
     pool, tables = build("fp32", "fp32", 64, 1, lens, block_size=16, seed=5)
     q = _q((2, 3, 64), seed=5)
     context_lens = torch.tensor(lens, dtype=torch.int32)
-    out = cpu_ops.paged_decode_attention(q, pool.k_caches[LAYER].data, pool.v_caches[LAYER].data, tables,
-                                         context_lens, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = cpu_ops.paged_decode_attention(q, pool.k_caches[LAYER].data, pool.v_caches[LAYER].data, tables,
+                                             context_lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
     ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

@@ -144,8 +144,8 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
       if (group_blocks == 1) {
         to_float_row(scales + (n + i) * groups, groups, bs);
       } else {
-        to_float_row(scales + (n + i) * groups, groups, row_mins + i * groups);
-        for (int64_t g = groups - 1; g >= 0; --g) std::fill_n(bs + g * group_blocks, group_blocks, row_mins[i * groups + g]);
+        to_float_row(scales + (n + i) * groups, groups, row_mins + i * groups);  // staging; mins overwrite it below
+        for (int64_t g = 0; g < groups; ++g) std::fill_n(bs + g * group_blocks, group_blocks, row_mins[i * groups + g]);
       }
       to_float_row(mins + (n + i) * groups, groups, row_mins + i * groups);
       for (int r = 0; r < T; ++r) acc[i][r] = _mm256_setzero_ps();
