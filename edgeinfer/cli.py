@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
+from edgeinfer.host_memory import return_large_frees_to_the_os
 
 if TYPE_CHECKING:
     from edgeinfer.draft_model import DraftModel
@@ -187,20 +188,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from transport.cli import chat_main
 
     return chat_main(args)
-
-
-def return_large_frees_to_the_os() -> None:
-    """glibc raises its mmap threshold after large frees, so per-call prefill buffers (a
-    dequantized weight, ~7 MB) then stay in the heap and RSS creeps up by ~100 MB. A fixed 1 MiB
-    threshold returns them at once; measured: peak RSS of `bench` 492 -> 434 MB."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ a name. Returns plain data: the architecture, the weights by HF name, and the to
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from quant.gguf_import import ModelFileError, require_gguf_file
 @dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor | QuantizedTensor]
+    weights: Mapping[str, torch.Tensor | QuantizedTensor]  # a GGUF's are read when first used
     tokenizer: Tokenizer | None  # None for synthetic models (edgeinfer.synthetic)
     source: str  # "gguf" | "hf" | "edgeinfer"
 

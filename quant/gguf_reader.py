@@ -82,14 +82,15 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: tuple[TensorInfo, ...]
 
-    def read(self, tensor: TensorInfo) -> np.ndarray:
-        """The tensor's raw bytes (uint8)."""
-        with open(self.path, "rb") as f:
-            f.seek(tensor.offset)
-            data = np.frombuffer(f.read(tensor.nbytes), dtype=np.uint8)
-        if data.size != tensor.nbytes:
-            raise GGUFFormatError(f"tensor {tensor.name} is cut short: {data.size} of {tensor.nbytes} bytes")
-        return data
+
+def read_tensor(path: Path, tensor: TensorInfo) -> np.ndarray:
+    """The raw bytes (uint8) of one tensor of the GGUF file at ``path``."""
+    with open(path, "rb") as f:
+        f.seek(tensor.offset)
+        data = np.frombuffer(f.read(tensor.nbytes), dtype=np.uint8)
+    if data.size != tensor.nbytes:
+        raise GGUFFormatError(f"tensor {tensor.name} is cut short: {data.size} of {tensor.nbytes} bytes")
+    return data
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

@@ -13,8 +13,9 @@ import signal
 import sys
 from pathlib import Path
 
-from edgeinfer.cli import add_runtime_args, model_path, return_large_frees_to_the_os, runtime_config
+from edgeinfer.cli import add_runtime_args, model_path, runtime_config
 from edgeinfer.config import SchedulerConfig
+from edgeinfer.host_memory import return_large_frees_to_the_os
 from transport import auth, daemon
 from transport.server import ServerConfig
 

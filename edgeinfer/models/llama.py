@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
+from edgeinfer.host_memory import trim_heap
 from kernels import cpu_ops
 from kernels.dispatch import PREFILL_M, PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
 from kernels.kv_pool import KVPool
@@ -115,6 +116,7 @@ class LlamaModel:
                 gate_up=prep(fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
                 down=prep(w("mlp.down_proj")),
             ))
+            trim_heap()  # the layer's staging copies, before the next layer's land between them
         self.norm = self._dense(get("model.norm.weight"))
         embed = get("model.embed_tokens.weight")
         head = embed if c.tie_word_embeddings else get("lm_head.weight")
@@ -136,6 +138,7 @@ class LlamaModel:
             # fp16 scales and mins: the coarse pass reads 20 instead of 24 bytes per 32 weights.
             head = QuantizedTensor("int4", head.shape, 32, head.qweight, head.scales.half(), head.mins.half())
         self.head = prep(head)
+        trim_heap()
         linears = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         # One reused buffer for prefill's dequantized weights (the model runs on one thread).
         self._scratch = torch.empty(scratch_numel(linears), device=self.device)
