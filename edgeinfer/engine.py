@@ -84,7 +84,9 @@ class Engine:
     async def __aenter__(self) -> Engine:
         if self._runner is None:
             loaded = await anyio.to_thread.run_sync(load_model, self.config.model_path)
-            self._runner = await anyio.to_thread.run_sync(build_runner, loaded, self.config.runtime)
+            sc = self._scheduler_config
+            self._runner = await anyio.to_thread.run_sync(build_runner, loaded, self.config.runtime,
+                                                          sc.max_num_batched_tokens, sc.max_num_seqs)
             self._tokenizer, self._model_config = loaded.tokenizer, loaded.config
         c, pool = self._model_config, self._runner.pool
         scheduler = Scheduler(
@@ -92,7 +94,8 @@ class Engine:
             max_model_len=min(c.max_position, self._max_model_len or c.max_position),
             vocab_size=c.vocab_size, eos_token_ids=c.eos_token_ids, bytes_per_token=pool.bytes_per_token(),
             make_detokenizer=self._tokenizer.detokenizer,
-            namespace=f"{c.architecture}/{c.vocab_size}/{c.hidden_size}/{c.num_layers}")
+            namespace=f"{c.architecture}/{c.vocab_size}/{c.hidden_size}/{c.num_layers}",
+            activation_bytes_per_token=self._runner.activation_bytes_per_token)
         model_ref, self._model_inbox = mailbox("model", 1)
         self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
         self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids)

@@ -85,6 +85,7 @@ class StepResult:
     # Per row: (token id, logprob) alternatives, best first, as many as that row asked for.
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     num_emitted: tuple[int, ...] | None = None  # None: one token per row
+    free_device_bytes: int | None = None  # what a step may still allocate (CUDA), read after this one
 
     def row_tokens(self) -> list[tuple[int, ...]]:
         """Each row's emitted tokens."""
@@ -106,4 +107,5 @@ class StepResult:
             top_logprobs=None if top is None else tuple(
                 tuple((int(t), float(lp)) for t, lp in row) for row in top),
             num_emitted=None if data.get("num_emitted") is None else tuple(data["num_emitted"]),
+            free_device_bytes=data.get("free_device_bytes"),
         )

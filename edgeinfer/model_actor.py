@@ -9,22 +9,24 @@ StepResult by value. Steps run one at a time on one dedicated thread
 (CUDA's current device, streams and graphs are per-thread state), awaited from an anyio worker
 so the event loop keeps serving clients during a forward pass.
 
-Also here: building a runner from a loaded model, and sizing its KV pool from a memory budget
-measured at start (CUDA: free device memory after the weights are loaded; CPU: available RAM).
+Also here: building a runner from a loaded model, its KV pool sized from a memory budget measured
+at start (edgeinfer.device_memory: CUDA, free device memory after the weights are loaded and a
+worst-case step has run; CPU, available RAM).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from typing import Protocol
 
 import anyio
-import psutil
 import torch
 
 from edgeinfer.config import RuntimeConfig
+from edgeinfer.device_memory import num_kv_blocks, worst_case_step_bytes
 from edgeinfer.llm import build_model, graph_batch_sizes
 from edgeinfer.loader import LoadedModel
 from edgeinfer.messages import StepPlan, StepResult
@@ -49,8 +51,11 @@ class StepRunner(Protocol):
     """What the model actor needs of a runner: ModelRunner, or a fake in tests."""
 
     pool: BlockPool
+    activation_bytes_per_token: int  # 0: steps are not capped by free device memory
 
     def logits(self, chunks: list[SeqChunk]) -> torch.Tensor: ...
+
+    def free_step_bytes(self) -> int | None: ...
 
 
 class ModelActor:
@@ -74,9 +79,13 @@ class ModelActor:
     def close(self) -> None:
         self._thread.shutdown(wait=False)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """One step, synchronously (tests call this directly)."""
+        """One step, synchronously (tests call this directly); the result carries the device's
+        free memory read after the step, for the scheduler's next plan."""
+        return dataclasses.replace(self._step(plan), free_device_bytes=self.runner.free_step_bytes())
+
+    @torch.inference_mode()
+    def _step(self, plan: StepPlan) -> StepResult:
         if plan.block_copies:
             self.runner.pool.copy_blocks(list(plan.block_copies))
         # Logits for each chunk's last token, and for every draft position of a chunk with drafts;
@@ -173,40 +182,25 @@ class ModelActor:
             rows[i] = [(tuple(ids[:n]), 0.0, ())]
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory a KV pool may take from: free device memory on CUDA, available RAM on the CPU."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return int(psutil.virtual_memory().available)
-
-
-def num_kv_blocks(runtime: RuntimeConfig, bytes_per_block: int, device: torch.device) -> int:
-    """Blocks that fit the budget: a fixed count, a byte budget, or a fraction of what is free."""
-    if runtime.num_kv_blocks is not None:
-        return runtime.num_kv_blocks
-    if runtime.kv_memory_bytes is not None:
-        budget = runtime.kv_memory_bytes
-    else:
-        budget = int(available_memory_bytes(device) * runtime.kv_memory_fraction)
-    blocks = budget // bytes_per_block
-    if blocks < 1:
-        raise ValueError(f"a KV memory budget of {budget} bytes holds no block of {bytes_per_block} bytes; "
-                         "raise kv_memory_fraction or kv_memory_bytes")
-    return blocks
-
-
-def build_runner(loaded: LoadedModel, runtime: RuntimeConfig) -> ModelRunner:
-    """Prepare the weights for the runtime's device and path, then size and allocate the pool."""
+def build_runner(loaded: LoadedModel, runtime: RuntimeConfig, step_tokens: int = 512,
+                 step_seqs: int = 64) -> ModelRunner:
+    """Prepare the weights for the runtime's device and path, run a worst-case step of
+    ``step_tokens`` tokens and ``step_seqs`` sampled rows (CUDA; see edgeinfer.device_memory),
+    then size and allocate the pool from what is left."""
     model = build_model(loaded, runtime, take_weights=True)
     device, path, c = model.device, model.linear_path, loaded.config
     bytes_per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
                                          runtime.key_dtype, runtime.value_dtype)
+    step_bytes = worst_case_step_bytes(model, runtime, step_tokens, step_seqs)
     # Measured after the weights are on the device, so the budget is what is really left.
-    blocks = num_kv_blocks(runtime, bytes_per_token * runtime.block_size, device)
+    blocks = num_kv_blocks(runtime, bytes_per_token * runtime.block_size, device, reserved_bytes=step_bytes)
     pool = KVPool(c.num_layers, blocks, runtime.block_size, c.num_kv_heads, c.head_dim,
                   runtime.key_dtype, runtime.value_dtype, device)
     log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token over all layers "
              "(K %s, V %s, %s, linear path %s)", blocks, runtime.block_size, blocks * runtime.block_size,
              pool.nbytes() / 2**20, bytes_per_token, runtime.key_dtype, runtime.value_dtype, device, path)
-    return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime))
+    if step_bytes:
+        log.info("a worst-case step (%d tokens) peaked at %.1f MiB of activations, held back from the pool",
+                 step_tokens, step_bytes / 2**20)
+    return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime),
+                       activation_bytes_per_token=-(-step_bytes // step_tokens))

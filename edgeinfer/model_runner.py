@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.cuda_graphs import DecodeGraphs
+from edgeinfer.device_memory import free_step_bytes
 from edgeinfer.models.llama import BatchMeta, LlamaModel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES
@@ -90,13 +91,17 @@ class ModelRunner:
         block_size: int,
         graph_batch_sizes: tuple[int, ...] = (),
         max_blocks_per_seq: int | None = None,
+        activation_bytes_per_token: int = 0,
     ) -> None:
         """``graph_batch_sizes`` (RuntimeConfig.graph_batch_sizes when cuda_graphs is on) turns
         on decode graphs for a CUDA model; ``max_blocks_per_seq`` bounds the block tables they
-        take (default: the model's context or the whole pool, whichever is smaller)."""
+        take (default: the model's context or the whole pool, whichever is smaller).
+        ``activation_bytes_per_token``: a worst-case step's measured peak per token
+        (edgeinfer.device_memory; 0: steps are not capped by free memory)."""
         self.model = model
         self.pool = pool
         self.block_size = block_size
+        self.activation_bytes_per_token = activation_bytes_per_token
         if pool.k_dtype not in PLAIN_DTYPES:
             model.prepare_quantized_kv()  # before the first key is written (or graph captured)
         self.graphs: DecodeGraphs | None = None
@@ -104,6 +109,10 @@ class ModelRunner:
             if max_blocks_per_seq is None:
                 max_blocks_per_seq = min(pool.num_blocks, -(-model.config.max_position // block_size))
             self.graphs = DecodeGraphs(model, pool, block_size, graph_batch_sizes, max_blocks_per_seq)
+
+    def free_step_bytes(self) -> int | None:
+        """What a step may still allocate on the device (None off CUDA)."""
+        return free_step_bytes(self.model.device)
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs now (else the first decode step does); no-op without them."""

@@ -50,6 +50,7 @@ one Finished listing them with their scores.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -77,6 +78,8 @@ from edgeinfer.messages import SeqStep, StepPlan, StepResult
 from edgeinfer.sampling_params import InvalidParams, SamplingParams
 from edgeinfer.speculative import PROMPT_LOOKUP_NGRAM_MIN, AdaptiveK, propose_ngram
 from edgeinfer.stop import StopChecker
+
+log = logging.getLogger(__name__)
 
 
 class Detokenizer(Protocol):
@@ -143,7 +146,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int, max_model_len: int,
                  vocab_size: int, eos_token_ids: Sequence[int], bytes_per_token: int,
                  make_detokenizer: Callable[[], Detokenizer], namespace: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, activation_bytes_per_token: int = 0) -> None:
+        """``activation_bytes_per_token`` (a worst-case step's measured peak per token, CUDA)
+        caps a step's tokens by the free device memory each StepResult reports; 0: no cap."""
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, namespace)
         self.block_size = block_size
@@ -162,6 +167,9 @@ class Scheduler:
         self._next_step_id = 0
         self.num_generated_tokens = 0
         self.num_preemptions = 0
+        self.activation_bytes_per_token = activation_bytes_per_token
+        self._free_step_bytes: int | None = None  # from the last StepResult
+        self.num_memory_capped_steps = 0
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Accepted:
@@ -233,7 +241,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         """Decide the next step (see the module docstring); the plan may be empty."""
-        budget = self.config.max_num_batched_tokens
+        budget = self._step_budget()
         steps: list[SeqStep] = []
         copies: list[tuple[int, int]] = []
         preempted = False
@@ -275,6 +283,8 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[Event]:
         """Apply a step's result: commit blocks, emit tokens, finish sequences. Returns events."""
         now = self._clock()
+        if result.free_device_bytes is not None:
+            self._free_step_bytes = result.free_device_bytes
         rows: dict[int, int] = {}  # seq id -> its first row (a fork's n choices have n rows)
         for row, seq_id in enumerate(result.seq_ids):
             rows.setdefault(seq_id, row)
@@ -427,6 +437,24 @@ class Scheduler:
                               self.num_preemptions)
 
     # ---- internals -----------------------------------------------------------------------------
+    def _step_budget(self) -> int:
+        """max_num_batched_tokens, shrunk to the tokens whose activations the device's free
+        memory (read after the last step) holds when another program has taken some; never
+        below max_num_seqs, so every running sequence still decodes. Prefill chunks shrink
+        first, since decodes are planned before them."""
+        budget = self.config.max_num_batched_tokens
+        if not self.activation_bytes_per_token or self._free_step_bytes is None:
+            return budget
+        fits = self._free_step_bytes // self.activation_bytes_per_token
+        if fits >= budget:
+            return budget
+        self.num_memory_capped_steps += 1
+        if self.num_memory_capped_steps == 1 or self.num_memory_capped_steps % 1000 == 0:
+            log.warning("free device memory (%.0f MiB) holds a step of %d tokens, not %d: prefill slows down "
+                        "(%d capped steps so far)", self._free_step_bytes / 2**20, fits, budget,
+                        self.num_memory_capped_steps)
+        return max(self.config.max_num_seqs, fits)
+
     def _step(self, seq: SeqState, budget: int, drafts: tuple[int, ...] = ()) -> SeqStep:
         token_ids = seq.token_ids
         start = seq.num_computed

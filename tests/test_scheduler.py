@@ -71,6 +71,11 @@ class FakeRunner:
         self.on_step = on_step  # called with the chunks before each step (tests hook in here)
         self.logits_fn = logits_fn or fake_logits  # context -> (VOCAB,) next-token logits
         self.steps: list[list[SeqChunk]] = []
+        self.activation_bytes_per_token = 0
+        self.free_bytes: int | None = None  # what free_step_bytes reports (None: a CPU)
+
+    def free_step_bytes(self) -> int | None:
+        return self.free_bytes
 
     def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
         if self.on_step is not None:

@@ -1,0 +1,134 @@
+"""Memory-aware sizing and step caps (edgeinfer.device_memory and the scheduler's use of it).
+
+The CUDA measurements themselves run in the gpu-marked test at the end; the arithmetic and the
+scheduler's reaction to a shrinking free memory are tested here with a fake runner reporting it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_scheduler import VOCAB, FakeRunner, Letters, expected_tokens
+
+from edgeinfer import device_memory
+from edgeinfer.config import RuntimeConfig, SchedulerConfig
+from edgeinfer.events import Token
+from edgeinfer.messages import StepResult
+from edgeinfer.model_actor import ModelActor
+from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.scheduler import Scheduler
+
+EOS = VOCAB - 1
+MIB = 2**20
+
+
+def test_pool_is_sized_from_what_the_worst_case_step_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device_memory, "available_memory_bytes", lambda device: 1000 * MIB)
+    cpu = torch.device("cpu")
+    runtime = RuntimeConfig(kv_memory_fraction=0.5)
+    assert device_memory.num_kv_blocks(runtime, MIB, cpu) == 500
+    assert device_memory.num_kv_blocks(runtime, MIB, cpu, reserved_bytes=200 * MIB) == 400
+    with pytest.raises(ValueError, match=r"after 1048576000 bytes held for a worst-case step.*max_num_batched_tokens"):
+        device_memory.num_kv_blocks(runtime, MIB, cpu, reserved_bytes=1000 * MIB)
+    # A fixed count or byte budget is the user's word: no measurement, no reserve.
+    assert device_memory.num_kv_blocks(RuntimeConfig(num_kv_blocks=7), MIB, cpu, reserved_bytes=10**12) == 7
+    assert device_memory.num_kv_blocks(RuntimeConfig(kv_memory_bytes=3 * MIB), MIB, cpu, 10**12) == 3
+
+
+def test_cpu_steps_are_not_measured_or_capped() -> None:
+    assert device_memory.free_step_bytes(torch.device("cpu")) is None
+    from test_beam_runner import TINY
+
+    from edgeinfer.models.llama import LlamaModel
+    from edgeinfer.synthetic import synthetic_model
+
+    loaded = synthetic_model(TINY, "int8", group_size=32, seed=1)
+    model = LlamaModel(loaded.config, dict(loaded.weights), linear_path="reference")
+    assert device_memory.worst_case_step_bytes(model, RuntimeConfig(), 512, 64) == 0
+
+
+def make(free_bytes: int | None, per_token: int) -> tuple[Scheduler, ModelActor, FakeRunner]:
+    runner = FakeRunner(num_blocks=64, block_size=4)
+    runner.free_bytes = free_bytes
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48, kv_watermark=0.0)
+    sched = Scheduler(cfg, num_blocks=64, block_size=4, max_model_len=128, vocab_size=VOCAB, eos_token_ids=(EOS,),
+                      bytes_per_token=10, make_detokenizer=Letters, activation_bytes_per_token=per_token)
+    return sched, ModelActor(runner, VOCAB, (EOS,)), runner
+
+
+def run(sched: Scheduler, actor: ModelActor, on_step=None) -> tuple[list[int], dict[str, list[int]]]:  # noqa: ANN001
+    sizes, tokens = [], {}
+    for _ in range(200):
+        if not sched.has_work:
+            break
+        plan = sched.schedule()
+        sizes.append(plan.num_tokens)
+        for event in sched.postprocess(plan, actor.execute(plan)):
+            if isinstance(event, Token):
+                tokens.setdefault(event.request_id, []).extend(event.token_ids)
+        if on_step is not None:
+            on_step(len(sizes))
+    return sizes, tokens
+
+
+PROMPT = [(3 * i + 1) % (VOCAB - 1) for i in range(40)]
+LONG = [(5 * i + 2) % (VOCAB - 1) for i in range(100)]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def test_prefill_shrinks_to_what_free_memory_holds_and_recovers() -> None:
+    # No reading yet (first step) or plenty free: the whole 48-token budget.
+    sched, actor, runner = make(free_bytes=10**9, per_token=1000)
+    sched.add_request("a", PROMPT, PARAMS)
+    sizes, tokens = run(sched, actor)
+    assert sizes[0] == 40 and sched.num_memory_capped_steps == 0
+    assert tokens["a"] == expected_tokens(PROMPT, 6)
+
+    # Another program took memory: after the first step only 10 tokens' activations fit.
+    sched, actor, runner = make(free_bytes=10_500, per_token=1000)
+    sched.add_request("a", PROMPT, PARAMS)
+    sched.add_request("b", LONG, PARAMS)
+    # The reading is taken after each step: memory freed after the third step shows in the fifth plan.
+    sizes, tokens = run(sched, actor, on_step=lambda n: setattr(runner, "free_bytes", 10**9) if n == 3 else None)
+    assert sizes[0] == 48  # planned before any reading
+    assert sizes[1:4] == [10, 10, 10]  # capped: a's decode and 9 of b's prompt tokens fit
+    assert sizes[4] == 48  # memory came back: full chunks again
+    assert sched.num_memory_capped_steps == 3
+    assert tokens["a"] == expected_tokens(PROMPT, 6) and tokens["b"] == expected_tokens(LONG, 6)
+    assert sched.block_manager.num_used == 0
+
+
+def test_cap_never_starves_running_decodes() -> None:
+    sched, actor, runner = make(free_bytes=0, per_token=1000)
+    for i in range(4):
+        sched.add_request(str(i), PROMPT[:5 + i], PARAMS)
+    sizes, tokens = run(sched, actor)
+    assert all(size >= 1 for size in sizes) and max(sizes[1:]) <= 4  # max_num_seqs tokens per step
+    assert all(tokens[str(i)] == expected_tokens(PROMPT[:5 + i], 6) for i in range(4))
+
+
+def test_free_memory_travels_in_the_step_result() -> None:
+    result = StepResult(3, (1,), (5,), free_device_bytes=123)
+    assert StepResult.from_dict(result.__dict__ | {"logprobs": None, "top_logprobs": None}) == result
+    sched, actor, runner = make(free_bytes=77, per_token=0)
+    sched.add_request("a", PROMPT[:8], PARAMS)
+    assert actor.execute(sched.schedule()).free_device_bytes == 77
+
+
+@pytest.mark.gpu
+def test_worst_case_step_is_measured_and_held_back_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from edgeinfer.model_actor import build_runner
+    from edgeinfer.synthetic import synthetic_model
+
+    loaded = synthetic_model("135m", "int4", seed=5, max_position=1024)
+    runtime = RuntimeConfig(device="cuda", kv_memory_fraction=0.05)
+    small = build_runner(loaded, runtime, step_tokens=64, step_seqs=4)
+    loaded = synthetic_model("135m", "int4", seed=5, max_position=1024)
+    big = build_runner(loaded, runtime, step_tokens=1024, step_seqs=64)
+    assert 0 < small.activation_bytes_per_token
+    # The bigger step's attention and logits make its peak larger; its pool is smaller by it.
+    assert big.activation_bytes_per_token * 1024 > small.activation_bytes_per_token * 64
+    assert big.pool.num_blocks <= small.pool.num_blocks
+    assert big.free_step_bytes() > 0
