@@ -7,11 +7,11 @@ them (an x86 CPU that torch runs at AVX2 or better, a working compiler;
 ``EDGEINFER_CPU_KERNEL=torch`` turns them off); where not, callers use their torch path.
 
 The ops and their references:
-- ``int4_linear`` / ``dequantize_into`` (int4_gemm.cpp): int4 x int16 GEMM and the dequantizer;
-  activations are rounded to int16 with one scale per 4 values (llama.cpp's int8 with one per 32
-  broke greedy parity with the fp32 reference on the default model), and
-  kernels.reference.int4_int16_gemm_reference makes the same rounding, so tests compare the two
-  tightly and each against the exact fp32 product.
+- ``int4_linear`` / ``int8_linear`` / ``dequantize_into`` (quantized_gemm.cpp): int4 x int16 and
+  int8 x int16 GEMMs and the int4 dequantizer; activations are rounded to int16 with one scale per
+  4 values (llama.cpp's int8 with one per 32 broke greedy parity with the fp32 reference on the
+  default model), and kernels.reference.int16_activation_gemm_reference makes the same rounding,
+  so tests compare the two tightly and each against the exact fp32 product.
 - ``paged_decode_attention`` (attention.cpp): one-token attention over plain KV caches; the
   torch path of kernels.paged_attention is its reference.
 - ``rms_norm`` (rms_norm.cpp): torch.nn.functional.rms_norm is its reference.
@@ -87,6 +87,27 @@ def prepare_int4(weight: QuantizedTensor) -> CpuInt4Weight:
     scales = weight.scales.to(dtype).contiguous()
     mins = weight.mins.to(dtype).contiguous()
     return CpuInt4Weight(packed, scales, mins, weight.group_size)
+
+
+def supports_int8(weight: QuantizedTensor) -> bool:
+    return weight.format == "int8" and weight.shape[1] % BLOCK == 0 and weight.group_size % BLOCK == 0
+
+
+def prepare_int8(weight: QuantizedTensor) -> QuantizedTensor:
+    """The kernel reads quant.formats int8 as it is (codes (N, K) in order); bf16 scales become
+    fp32 (exactly), fp16 and fp32 ones are kept, so a Q8_0 weight is not copied."""
+    if not supports_int8(weight):
+        raise ValueError(f"the AVX2 int8 kernel needs an int8 weight with K and group size multiples of {BLOCK}, "
+                         f"got {weight.format} {weight.shape} group {weight.group_size}")
+    if weight.scales.dtype in (torch.float16, torch.float32) and weight.scales.is_contiguous():
+        return weight
+    return QuantizedTensor("int8", weight.shape, weight.group_size, weight.qweight.contiguous(),
+                           weight.scales.float().contiguous())
+
+
+def int8_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """fp32 (M, N) = x (M, K), any float dtype, @ W.T for a prepare_int8 weight, x rounded to int16."""
+    return torch.ops.edgeinfer_cpu.int8_gemm(x, weight.qweight, weight.scales, weight.group_size)
 
 
 def int4_linear(x: torch.Tensor, weight: CpuInt4Weight) -> torch.Tensor:

@@ -9,7 +9,11 @@ Paths:
   through the fp32 GEMM, which beats both int4 kernels at prefill shapes (gate/up at M=256:
   5.5 ms, the AVX2 kernel's int8 first version 9.1 ms). Either way only one copy of the weight is kept: the dequantizer
   reads the kernel's own layout (torch's packed bytes: layout probed once, see
-  ``_packed_block_n``). int8 weights and plain tensors use fp32 GEMM.
+  ``_packed_block_n``).
+- ``int8_cpu``: int8 weights with the AVX2 ops: the int8 x int16 kernel (same activation
+  rounding) below ``PREFILL_M``, dequantize into the scratch buffer + fp32 GEMM above; the weight
+  is used as loaded (a Q8_0 tensor is not copied). Without the ops int8 (and nf4) weights run as
+  bf16 copies (``bf16_cpu``).
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
 - ``reference``: dequantize to fp32 and matmul in fp32; exact, the oracle for the tests.
 
@@ -42,12 +46,12 @@ class PreparedLinear:
 
     path: str
     shape: tuple[int, int]  # (N, K)
-    source: QuantizedTensor | None  # kept for the dequantize-then-GEMM prefill path
+    source: QuantizedTensor | None  # the dequantize-then-GEMM prefill path's weight; int8_cpu's weight
     dense: torch.Tensor | None = None  # fp32 (N, K) for plain weights / the reference path
     packed: torch.Tensor | None = None  # int4_cpu: torch's packed layout
     scales_and_zeros: torch.Tensor | None = None  # int4_cpu: bf16 (K // group, N, 2)
     kernel: object | None = None  # triton: the kernel module's prepared weight; int4_cpu: CpuInt4Weight
-    group_size: int = 0  # int4_cpu
+    group_size: int = 0  # int4_cpu, int8_cpu
     block_n: int | None = None  # int4_cpu: row-block width of the packed layout
 
     @property
@@ -63,7 +67,7 @@ class PreparedLinear:
 
 def scratch_numel(weights: list[PreparedLinear]) -> int:
     """fp32 elements of the scratch buffer the int4_cpu prefill path reuses for these weights."""
-    return max((w.shape[0] * w.shape[1] for w in weights if w.path == "int4_cpu"), default=0)
+    return max((w.shape[0] * w.shape[1] for w in weights if w.path in ("int4_cpu", "int8_cpu")), default=0)
 
 
 def resolve_path(path: str, device: torch.device) -> str:
@@ -83,6 +87,8 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: to
         dense = weight.dequantize(torch.float32).to(device)
         return PreparedLinear("reference", weight.shape, None, dense=dense)
     if path == "int4_cpu":
+        if cpu_ops.supports_int8(weight) and cpu_ops.available():
+            return PreparedLinear("int8_cpu", weight.shape, cpu_ops.prepare_int8(weight), group_size=weight.group_size)
         if cpu_ops.supports_int4(weight) and cpu_ops.available():
             return PreparedLinear("int4_cpu", weight.shape, None, kernel=cpu_ops.prepare_int4(weight),
                                   group_size=weight.group_size)
@@ -156,6 +162,15 @@ def _scratch(weight: PreparedLinear, scratch: torch.Tensor | None) -> torch.Tens
     return torch.empty(numel) if scratch is None or scratch.numel() < numel else scratch[:numel]
 
 
+def _dequantize_int8_into(weight: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
+    """The fp32 (N, K) int8 weight, written into ``out`` (N * K elements)."""
+    n, k = weight.shape
+    g = weight.group_size
+    dense = out.view(n, k // g, g)
+    torch.mul(weight.qweight.view(n, k // g, g), weight.scales.view(n, k // g, 1), out=dense)
+    return dense.view(n, k)
+
+
 def _prepare_triton(weight: QuantizedTensor, device: torch.device) -> PreparedLinear:
     if weight.format == "int4":
         from kernels.int4_gemm import prepare_int4
@@ -195,6 +210,11 @@ def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None
             y = cpu_ops.int4_linear(x2, weight.kernel)
         else:
             y = x2.float() @ cpu_ops.dequantize_into(weight.kernel, _scratch(weight, scratch)).t()
+    elif path == "int8_cpu":
+        if m < PREFILL_M:
+            y = cpu_ops.int8_linear(x2, weight.source)
+        else:
+            y = x2.float() @ _dequantize_int8_into(weight.source, _scratch(weight, scratch)).t()
     elif path == "int4_cpu" and (m < PREFILL_M or weight.source is not None):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(torch.bfloat16), weight.packed, weight.group_size, weight.scales_and_zeros

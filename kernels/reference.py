@@ -20,14 +20,15 @@ def int4_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tenso
     return (x.float() @ weight.dequantize(torch.float32).t()).to(x.dtype)
 
 
-def int4_int16_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
-    """fp32 (M, N): what kernels.cpu_ops computes. Each 32-block of x splits into 8 groups of 4,
-    group l = values {2l, 2l + 1, 16 + 2l, 17 + 2l}; a group becomes int16 codes round(x / d),
-    d = absmax / 32767 (round half to even); each group's integer dot with the int4 codes is scaled
-    by weight scale x d, and the min term uses the exact 32-block sums of x."""
-    if weight.format != "int4" or weight.group_size % 32 or weight.shape[1] % 32:
-        raise ValueError("int4_int16_gemm_reference needs an int4 weight with K and group size multiples of 32")
-    assert weight.mins is not None
+def int16_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """fp32 (M, N): what kernels.cpu_ops computes for an int4 or int8 weight. Each 32-block of x
+    splits into 8 groups of 4, group l = values {2l, 2l + 1, 16 + 2l, 17 + 2l}; a group becomes
+    int16 codes round(x / d), d = absmax / 32767 (round half to even); each group's integer dot
+    with the weight codes is scaled by weight scale x d, and an int4 weight's min term uses the
+    exact 32-block sums of x."""
+    if weight.format not in ("int4", "int8") or weight.group_size % 32 or weight.shape[1] % 32:
+        raise ValueError("int16_activation_gemm_reference needs an int4 or int8 weight with K and group size "
+                         "multiples of 32")
     n, k = weight.shape
 
     def lane_groups(t: torch.Tensor) -> torch.Tensor:  # (R, K) -> (R, K / 32, 8, 4)
@@ -38,11 +39,13 @@ def int4_int16_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch
     amax = groups.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
     xq = torch.round(groups * inv)  # integers in -32767..32767, exact in fp32
-    codes = lane_groups(unpack_int4(weight.qweight).float())
-    dots = torch.einsum("mbgi,nbgi->mnbg", xq, codes)  # integer sums below 2**21: exact
+    codes = unpack_int4(weight.qweight) if weight.format == "int4" else weight.qweight
+    dots = torch.einsum("mbgi,nbgi->mnbg", xq, lane_groups(codes.float()))  # integer sums below 2**24: exact
     scales = weight.scales.float().repeat_interleave(weight.group_size // 32, dim=1)  # (N, K / 32)
     y = (dots * (amax / 32767).squeeze(-1)[:, None]).sum(-1)  # (M, N, K / 32)
     y = (y * scales).sum(-1)
+    if weight.mins is None:
+        return y
     mins = weight.mins.float().repeat_interleave(weight.group_size // 32, dim=1)
     return y + x2.reshape(-1, k // 32, 32).sum(-1) @ mins.t()
 

@@ -18,8 +18,8 @@ from test_paged_attention import LAYER, _q, build
 from kernels import cpu_ops
 from kernels.dispatch import linear, prepare_linear
 from kernels.paged_attention import paged_decode_attention_reference
-from kernels.reference import int4_gemm_reference, int4_int16_gemm_reference
-from quant.formats import quantize_int4
+from kernels.reference import int4_gemm_reference, int8_gemm_reference, int16_activation_gemm_reference
+from quant.formats import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the AVX2 CPU ops do not build here")
 
@@ -39,7 +39,7 @@ def test_int4_gemm_matches_references(n, k, group, m, scale_dtype):
     out = cpu_ops.int4_linear(x, cpu_ops.prepare_int4(weight))
     assert out.dtype == torch.float32 and out.shape == (m, n)
     # Same int16 rounding of x: equal up to fp32 summation order.
-    torch.testing.assert_close(out, int4_int16_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
     # Against the exact product: int16 activations with a scale per 4 values cost ~1e-5.
     exact = int4_gemm_reference(x, weight)
     assert float((out - exact).norm() / exact.norm()) < 1e-4
@@ -49,7 +49,7 @@ def test_int4_gemm_takes_bf16_activations():
     weight = _weight(33, 64, 32, torch.float16, seed=2)
     x = (torch.randn(2, 64) + 0.5).to(torch.bfloat16)
     out = cpu_ops.int4_linear(x, cpu_ops.prepare_int4(weight))
-    torch.testing.assert_close(out, int4_int16_gemm_reference(x.float(), weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, int16_activation_gemm_reference(x.float(), weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
@@ -80,9 +80,58 @@ def test_dispatch_uses_the_kernel_for_decode_and_dequantizes_for_prefill(m):
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
     out = linear(x, prepared, torch.empty(70 * 96))
     if m < 32:
-        torch.testing.assert_close(out, int4_int16_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
     else:  # dequantize + fp32 GEMM: exact up to summation order
         torch.testing.assert_close(out, int4_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def _int8_weight(n, k, group, scale_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = quantize_int8(torch.randn(n, k, generator=gen) * 0.2 + 0.05, group)
+    return replace(w, scales=w.scales.to(scale_dtype))
+
+
+@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (50, 128, 64), (9, 32, 32), (130, 224, 32)])
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_int8_gemm_matches_references(n, k, group, m, scale_dtype):
+    weight = _int8_weight(n, k, group, scale_dtype, seed=n + m)
+    assert int(weight.qweight.abs().max()) == 127  # full-range codes: the int32 lanes' worst case
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2 + 0.3
+    out = cpu_ops.int8_linear(x, cpu_ops.prepare_int8(weight))
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+    exact = int8_gemm_reference(x, weight)
+    assert float((out - exact).norm() / exact.norm()) < 1e-4
+
+
+def test_int8_prepare_keeps_fp16_weights_and_errors_name_the_problem():
+    weight = _int8_weight(8, 64, 32, torch.float16, seed=1)
+    assert cpu_ops.prepare_int8(weight) is weight  # a Q8_0 tensor runs as loaded: no copy
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_ops.prepare_int8(quantize_int8(torch.randn(8, 48), 16))
+    with pytest.raises(RuntimeError, match="int8 weight must be contiguous int8"):
+        torch.ops.edgeinfer_cpu.int8_gemm(torch.randn(1, 64), weight.qweight.to(torch.int16), weight.scales, 32)
+    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 32 dividing K=64"):
+        torch.ops.edgeinfer_cpu.int8_gemm(torch.randn(1, 64), weight.qweight, weight.scales, 48)
+    with pytest.raises(RuntimeError, match="scales must be contiguous and hold N \\* K / group_size values"):
+        torch.ops.edgeinfer_cpu.int8_gemm(torch.randn(1, 64), weight.qweight, weight.scales[:4], 32)
+    with pytest.raises(RuntimeError, match=r"x must be \(M, 64\)"):
+        cpu_ops.int8_linear(torch.randn(1, 63), weight)
+
+
+@pytest.mark.parametrize("m", [1, 31, 32, 45])
+def test_dispatch_runs_int8_with_the_kernel_for_decode_and_dequantizes_for_prefill(m):
+    weight = _int8_weight(70, 96, 32, torch.bfloat16, seed=m)
+    prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
+    assert prepared.path == "int8_cpu" and prepared.source.scales.dtype == torch.float32
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
+    scratch = torch.full((70 * 96 + 5,), float("nan"))
+    out = linear(x, prepared, scratch)
+    if m < 32:
+        torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(out, int8_gemm_reference(x, weight).float(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 37), (19, 64)])

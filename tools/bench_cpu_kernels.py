@@ -1,4 +1,4 @@
-"""The AVX2 int4 GEMM (kernels/cpu/int4_gemm.cpp) against torch's int4 CPU kernel, per call.
+"""The AVX2 int4 GEMM (kernels/cpu/quantized_gemm.cpp) against torch's int4 CPU kernel, per call.
 
 For the default model's linear shapes (and its 49152 x 576 head) at several M, prints the
 microseconds per call of torch's ``_weight_int4pack_mm_for_cpu`` (bf16 activations, the peer

@@ -130,6 +130,8 @@ class LlamaModel:
         else:
             self.embed = self.embed.to(self.device)
         self._head_exact: Weight | None = None
+        # Measured on the default model's Q8_0 head: the int8 kernel (1.65-2.0 ms per token, 30 MB
+        # read) loses to int4 + refinement (1.2-1.3 ms, 18 MB read) by more than the 17 MB it saves.
         if head_format == "int4" and not (isinstance(head, QuantizedTensor) and head.format == "int4"):
             self._head_exact = head if isinstance(head, QuantizedTensor) else head.to(self.device, torch.float32)
             # Row chunks: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB.

@@ -1,12 +1,15 @@
-// int4 weight x int16 activation GEMM for AVX2 CPUs, and the matching dequantizer.
+// int4 and int8 weight x int16 activation GEMMs for AVX2 CPUs, and the int4 dequantizer.
 //
-// Ops torch.ops.edgeinfer_cpu.int4_gemm / int4_dequantize; kernels/cpu_ops.py builds them,
-// prepares weights and names the torch reference (kernels.reference.int4_int16_gemm_reference).
+// Ops torch.ops.edgeinfer_cpu.int4_gemm / int8_gemm / int4_dequantize; kernels/cpu_ops.py builds
+// them, prepares weights and names the torch reference
+// (kernels.reference.int16_activation_gemm_reference).
 //
 // Weight layout (made once by cpu_ops.prepare_int4): per output row n, K / 32 blocks of 16
 // bytes; byte j of block b holds element 32b + j in its low nibble and 32b + 16 + j in its high
 // nibble (GGUF's Q4_0/Q4_1 order), so one 16-byte load unpacks to the block's 32 codes in order.
 // w = q * scale + min with one fp16 or fp32 scale and min per group of K (a multiple of 32).
+// int8 weights (GGUF's Q8_0, quant.formats int8) are (N, K) int8 codes in order, w = q * scale:
+// the same loop with a sign-extending load instead of the nibble unpack and no min term.
 //
 // Activations become int16 with a scale per 4 values (see quantize_row), so a block's dot
 // product is two madd on integers and one fp32 multiply of lanes:
@@ -89,12 +92,20 @@ inline __m256i unpack_block(const uint8_t* w) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
-// The block's codes 0..15 and 16..31 as two vectors of 16 int16: one widening of the 16 bytes,
-// then each 16-bit lane holds a whole byte, so its low nibble is code j and the rest code 16 + j.
-inline void unpack_block16(const uint8_t* w, __m256i* low, __m256i* high) {
-  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  *low = _mm256_and_si256(wide, _mm256_set1_epi16(0x0F));
-  *high = _mm256_srli_epi16(wide, 4);
+// Block b's codes 0..15 and 16..31 of a weight row as two vectors of 16 int16. int4: one
+// widening of the 16 bytes, then each 16-bit lane holds a whole byte, so its low nibble is code
+// j and the rest code 16 + j. int8: two sign-extending loads.
+template <bool kInt8>
+inline void block_codes(const uint8_t* row, int64_t b, __m256i* low, __m256i* high) {
+  if constexpr (kInt8) {
+    const auto* q = reinterpret_cast<const __m128i*>(row + b * kBlock);
+    *low = _mm256_cvtepi8_epi16(_mm_loadu_si128(q));
+    *high = _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1));
+  } else {
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBlock / 2)));
+    *low = _mm256_and_si256(wide, _mm256_set1_epi16(0x0F));
+    *high = _mm256_srli_epi16(wide, 4);
+  }
 }
 
 // count values of src as fp32 into dst (a weight row's scales or mins, converted once per row
@@ -126,14 +137,15 @@ struct Activations {
 // y[m0, m0 + T) x [n0, n1) for T activation rows, R weight rows at a time: R * T independent
 // accumulators, because one accumulator per output serialises on the FMA's latency (K = 576 is
 // only 18 blocks per row). Per block and pair of rows the inner loop is 2 madd, add, cvt, mul,
-// FMA; a weight block is unpacked once for its T activation rows. The min term is one dot
+// FMA; a weight block is unpacked once for its T activation rows. The min term (int4) is one dot
 // product per pair of rows at the end (min * the group's activation sum).
-template <int R, int T, typename S>
+template <int R, int T, typename S, bool kInt8>
 void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x,
                int64_t m0, int64_t n0, int64_t n1, float* y, int64_t ld_y, float* block_scales, float* row_mins) {
   const int64_t k = x.k;
   const int64_t blocks = k / kBlock;
   const int64_t groups = x.groups;
+  const int64_t row_bytes = kInt8 ? k : k / 2;
   const int16_t* xq = x.q + m0 * k;
   const float* xs = x.scale + m0 * blocks * 8;
   for (int64_t n = n0; n < n1; n += R) {
@@ -147,20 +159,20 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
         to_float_row(scales + (n + i) * groups, groups, row_mins + i * groups);  // staging; mins overwrite it below
         for (int64_t g = 0; g < groups; ++g) std::fill_n(bs + g * group_blocks, group_blocks, row_mins[i * groups + g]);
       }
-      to_float_row(mins + (n + i) * groups, groups, row_mins + i * groups);
+      if constexpr (!kInt8) to_float_row(mins + (n + i) * groups, groups, row_mins + i * groups);
       for (int r = 0; r < T; ++r) acc[i][r] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         __m256i w_low, w_high;
-        unpack_block16(w + (n + i) * (k / 2) + b * (kBlock / 2), &w_low, &w_high);
+        block_codes<kInt8>(w + (n + i) * row_bytes, b, &w_low, &w_high);
         const __m256 s = _mm256_broadcast_ss(block_scales + i * blocks + b);
 #pragma GCC unroll 8
         for (int r = 0; r < T; ++r) {
           const int16_t* xb = xq + r * k + b * kBlock;
-          // codes 0..15 times int16: a lane sums 4 products, at most 4 * 15 * 32767 < 2^21,
-          // exact in int32 and after cvt to fp32.
+          // A lane sums 4 products of int16 codes with int4 codes (< 4 * 15 * 32767 < 2^21) or
+          // int8 codes (<= 4 * 128 * 32767 < 2^24): exact in int32 and after cvt to fp32.
           const __m256i dots = _mm256_add_epi32(
               _mm256_madd_epi16(w_low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
               _mm256_madd_epi16(w_high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
@@ -169,31 +181,45 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
         }
       }
     }
+    // Fully unrolled, touching only constant indices of acc: a loop here that GCC leaves rolled
+    // (the min term's dot product was one) makes it keep acc in memory, and the block loop above
+    // then spilled and reloaded every accumulator each block (int4 at M = 16 ran 1.6x slower
+    // than int8 until this).
+    float sums[R][T];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 16
+      for (int r = 0; r < T; ++r) sums[i][r] = hsum(acc[i][r]);
+    }
     for (int i = 0; i < R; ++i) {
       for (int r = 0; r < T; ++r) {
-        y[(m0 + r) * ld_y + n + i] = hsum(acc[i][r]) + dot(row_mins + i * groups, x.group_sum + (m0 + r) * groups, groups);
+        float out = sums[i][r];
+        if constexpr (!kInt8) out += dot(row_mins + i * groups, x.group_sum + (m0 + r) * groups, groups);
+        y[(m0 + r) * ld_y + n + i] = out;
       }
     }
   }
 }
 
-template <int R, typename S>
+template <int R, typename S, bool kInt8>
 void gemm_columns(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x,
                   int64_t m, int64_t n0, int64_t n1, float* y, int64_t ld_y) {
   std::vector<float> row_params(R * (x.k / kBlock + x.groups));
   float* rs = row_params.data();
   float* rm = rs + R * (x.k / kBlock);
   int64_t m0 = 0;
-  for (; m0 + kTile <= m; m0 += kTile) gemm_tile<R, kTile>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm);
+  for (; m0 + kTile <= m; m0 += kTile) {
+    gemm_tile<R, kTile, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm);
+  }
   switch (m - m0) {
-    case 3: gemm_tile<R, 3>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
-    case 2: gemm_tile<R, 2>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
-    case 1: gemm_tile<R, 1>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 3: gemm_tile<R, 3, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 2: gemm_tile<R, 2, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 1: gemm_tile<R, 1, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
     default: break;
   }
 }
 
-template <typename S>
+template <typename S, bool kInt8>
 void gemm(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x, int64_t m,
           int64_t n, float* y) {
   // Columns split across threads in multiples of kRows; a remainder of rows runs one at a time.
@@ -202,12 +228,12 @@ void gemm(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks
   const int64_t n_tiled = n / kRows * kRows;
   at::parallel_for(0, n_tiled / kRows, grain / kRows, [&](int64_t t0, int64_t t1) {
     if (m == 1) {
-      gemm_columns<kRows>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
+      gemm_columns<kRows, S, kInt8>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
     } else {
-      gemm_columns<1>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
+      gemm_columns<1, S, kInt8>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
     }
   });
-  gemm_columns<1>(w, scales, mins, group_blocks, x, m, n_tiled, n, y, n);
+  gemm_columns<1, S, kInt8>(w, scales, mins, group_blocks, x, m, n_tiled, n, y, n);
 }
 
 void check_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size) {
@@ -222,10 +248,12 @@ void check_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tenso
               "scales and mins must hold N * K / group_size values");
 }
 
+// y (M, N) = x (M, K) @ W.T for an int4 weight (mins defined) or an int8 one (mins undefined).
 void quantized_gemm(const float* xp, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t group_size, float* y) {
+  const bool int8 = !mins.defined();
   const int64_t n = w.size(0);
-  const int64_t k = w.size(1) * 2;
+  const int64_t k = int8 ? w.size(1) : w.size(1) * 2;
   const int64_t blocks = k / kBlock;
   std::vector<int16_t> q(m * k);
   std::vector<float> scale(m * blocks * 8);
@@ -243,10 +271,15 @@ void quantized_gemm(const float* xp, int64_t m, const at::Tensor& w, const at::T
     }
   }
   const Activations act{q.data(), scale.data(), sum.data(), k, groups};
+  const auto* codes = static_cast<const uint8_t*>(w.data_ptr());
   if (scales.scalar_type() == at::kHalf) {
-    gemm(w.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(), group_blocks, act, m, n, y);
+    const auto* s = scales.data_ptr<c10::Half>();
+    if (int8) gemm<c10::Half, true>(codes, s, nullptr, group_blocks, act, m, n, y);
+    else gemm<c10::Half, false>(codes, s, mins.data_ptr<c10::Half>(), group_blocks, act, m, n, y);
   } else {
-    gemm(w.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), group_blocks, act, m, n, y);
+    const auto* s = scales.data_ptr<float>();
+    if (int8) gemm<float, true>(codes, s, nullptr, group_blocks, act, m, n, y);
+    else gemm<float, false>(codes, s, mins.data_ptr<float>(), group_blocks, act, m, n, y);
   }
 }
 
@@ -258,6 +291,22 @@ at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   quantized_gemm(x.data_ptr<float>(), x.size(0), w, scales, mins, group_size, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, int64_t group_size) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "int8 weight must be contiguous int8 (N, K)");
+  const int64_t k = w.size(1);
+  TORCH_CHECK(k % kBlock == 0, "int8 weight K must be a multiple of 32, got ", k);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
+              "group_size must be a positive multiple of 32 dividing K=", k, ", got ", group_size);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == w.size(0) * (k / group_size),
+              "scales must be contiguous and hold N * K / group_size values");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  quantized_gemm(x.data_ptr<float>(), x.size(0), w, scales, at::Tensor(), group_size, y.data_ptr<float>());
   return y;
 }
 
@@ -310,10 +359,12 @@ void edgeinfer_cpu::int4_gemm_rows(const float* x, int64_t m, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, Tensor mins, int group_size) -> Tensor");
+  m.def("int8_gemm(Tensor x, Tensor w, Tensor scales, int group_size) -> Tensor");
   m.def("int4_dequantize(Tensor w, Tensor scales, Tensor mins, int group_size, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
+  m.impl("int8_gemm", &int8_gemm);
   m.impl("int4_dequantize", &int4_dequantize);
 }
