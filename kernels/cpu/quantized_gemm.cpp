@@ -165,7 +165,18 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
       if constexpr (!kInt8) to_float_row(mins + (n + i) * groups, groups, row_mins + i * groups);
       for (int r = 0; r < T; ++r) acc[i][r] = _mm256_setzero_ps();
     }
+    // The next R rows, a cache line per 64 bytes of this block step: rows of R * K / 2 bytes are
+    // R short interleaved streams the hardware prefetcher barely trains on (down, 768-byte rows,
+    // ran at 9.8 GB/s from DRAM against gate/up's 16.6 with 288-byte rows).
+    const uint8_t* next = w + (n + R) * row_bytes;
+    constexpr int64_t kStep = R * (kInt8 ? kBlock : kBlock / 2);  // bytes of the next rows per block
     for (int64_t b = 0; b < blocks; ++b) {
+      const char* ahead = reinterpret_cast<const char*>(next + b * kStep);
+      if constexpr (kStep >= 64) {
+        for (int64_t line = 0; line < kStep; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      } else if ((b * kStep) % 64 == 0) {
+        _mm_prefetch(ahead, _MM_HINT_T0);
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         __m256i w_low, w_high;
