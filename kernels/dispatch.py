@@ -1,19 +1,19 @@
 """The one dispatch point for linear layers: weight -> kernel-ready form (once, at load) -> matmul.
 
 Paths:
-- ``int4_cpu``: int4 weights on the CPU. Thin M (decode) runs the AVX2 int4 x int16 kernel
-  (kernels.cpu_ops: activations rounded to int16, a scale per 4 values; 1.9-2.9x torch's int4
-  kernel at M=1, 1.2-1.5x at M=16, tools/bench_cpu_kernels.py) where that kernel builds and the CPU has AVX2, else
-  torch's portable int4 kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations). For M >=
-  ``PREFILL_M`` the weight is dequantized to fp32 per call into a reused scratch buffer and run
-  through the fp32 GEMM, which beats both int4 kernels at prefill shapes (gate/up at M=256:
-  5.5 ms, the AVX2 kernel's int8 first version 9.1 ms). Either way only one copy of the weight is kept: the dequantizer
-  reads the kernel's own layout (torch's packed bytes: layout probed once, see
+- ``int4_cpu``: int4 weights on the CPU. Below ``CPU_KERNEL_M`` rows (decode, small prefill
+  chunks) the AVX2 int4 x int16 kernel runs (kernels.cpu_ops: activations rounded to int16, a
+  scale per 4 values; ~1.9-2.6x torch's int4 kernel at M = 1, 4 and 16,
+  tools/bench_cpu_kernels.py) where it builds and the CPU has AVX2; else torch's portable int4
+  kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations) below ``PREFILL_M``. Above, the
+  weight is dequantized to fp32 per call into a reused scratch buffer and run through the fp32
+  GEMM, which wins at prefill shapes. Either way only one copy of the weight is kept: the
+  dequantizer reads the kernel's own layout (torch's packed bytes: layout probed once, see
   ``_packed_block_n``).
 - ``int8_cpu``: int8 weights with the AVX2 ops: the int8 x int16 kernel (same activation
-  rounding) below ``PREFILL_M``, dequantize into the scratch buffer + fp32 GEMM above; the weight
-  is used as loaded (a Q8_0 tensor is not copied). Without the ops int8 (and nf4) weights run as
-  bf16 copies (``bf16_cpu``).
+  rounding) below ``CPU_KERNEL_M``, dequantize into the scratch buffer + fp32 GEMM above; the
+  weight is used as loaded (a Q8_0 tensor is not copied). Without the ops int8 (and nf4) weights
+  run as bf16 copies (``bf16_cpu``).
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
 - ``reference``: dequantize to fp32 and matmul in fp32; exact, the oracle for the tests.
 
@@ -32,10 +32,13 @@ import torch
 from kernels import cpu_ops
 from quant.formats import QuantizedTensor, unpack_int4
 
-# Crossover against dequantize + fp32 GEMM, measured with the kernel's first (int8-activation,
-# faster) version: ~40 rows (gate/up 1.16 vs 1.27 ms at 32, 2.29 vs 1.84 ms at 64); the int16
-# version costs more per row, so its crossover is no higher. torch's kernel loses from ~32 on.
+# Crossovers against dequantize + fp32 GEMM. torch's int4 kernel (and a bf16 GEMM) lose from
+# ~32 rows on. The AVX2 kernels, since their accumulators stay in registers and a tile's min
+# terms are one FMA per group, win up to 64 (gate/up 2.71 vs 3.03 ms at 64, down 0.90 vs 1.00;
+# qkv ties at 64 and the dequantized GEMM wins from 96): decode batches of up to 63 sequences
+# stay on the kernels (and on LlamaModel's fused decode step).
 PREFILL_M = 32
+CPU_KERNEL_M = 64
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it
 _PACK_CHUNK_ROWS = 4096  # a multiple of every packing block width
 
@@ -206,12 +209,12 @@ def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None
     if path in ("dense", "reference"):
         y = x2.float() @ weight.dense.t()
     elif path == "int4_cpu" and weight.kernel is not None:
-        if m < PREFILL_M:
+        if m < CPU_KERNEL_M:
             y = cpu_ops.int4_linear(x2, weight.kernel)
         else:
             y = x2.float() @ cpu_ops.dequantize_into(weight.kernel, _scratch(weight, scratch)).t()
     elif path == "int8_cpu":
-        if m < PREFILL_M:
+        if m < CPU_KERNEL_M:
             y = cpu_ops.int8_linear(x2, weight.source)
         else:
             y = x2.float() @ _dequantize_int8_into(weight.source, _scratch(weight, scratch)).t()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from test_paged_attention import LAYER, _q, build
 
 from kernels import cpu_ops
-from kernels.dispatch import linear, prepare_linear
+from kernels.dispatch import CPU_KERNEL_M, linear, prepare_linear
 from kernels.paged_attention import paged_decode_attention_reference
 from kernels.reference import int4_gemm_reference, int8_gemm_reference, int16_activation_gemm_reference
 from quant.formats import quantize_int4, quantize_int8
@@ -72,14 +72,14 @@ def test_int4_errors_name_the_problem():
         cpu_ops.int4_linear(torch.randn(1, 63), prepared)
 
 
-@pytest.mark.parametrize("m", [1, 31, 32, 45])
+@pytest.mark.parametrize("m", [1, 31, 63, 64, 70])
 def test_dispatch_uses_the_kernel_for_decode_and_dequantizes_for_prefill(m):
     weight = _weight(70, 96, 32, torch.float16, seed=m)
     prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
     assert isinstance(prepared.kernel, cpu_ops.CpuInt4Weight) and prepared.packed is None
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
     out = linear(x, prepared, torch.empty(70 * 96))
-    if m < 32:
+    if m < CPU_KERNEL_M:
         torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
     else:  # dequantize + fp32 GEMM: exact up to summation order
         torch.testing.assert_close(out, int4_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
@@ -120,7 +120,7 @@ def test_int8_prepare_keeps_fp16_weights_and_errors_name_the_problem():
         cpu_ops.int8_linear(torch.randn(1, 63), weight)
 
 
-@pytest.mark.parametrize("m", [1, 31, 32, 45])
+@pytest.mark.parametrize("m", [1, 31, 63, 64, 70])
 def test_dispatch_runs_int8_with_the_kernel_for_decode_and_dequantizes_for_prefill(m):
     weight = _int8_weight(70, 96, 32, torch.bfloat16, seed=m)
     prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
@@ -128,7 +128,7 @@ def test_dispatch_runs_int8_with_the_kernel_for_decode_and_dequantizes_for_prefi
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
     scratch = torch.full((70 * 96 + 5,), float("nan"))
     out = linear(x, prepared, scratch)
-    if m < 32:
+    if m < CPU_KERNEL_M:
         torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
     else:
         torch.testing.assert_close(out, int8_gemm_reference(x, weight).float(), rtol=1e-5, atol=1e-4)

@@ -75,6 +75,33 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
         torch.testing.assert_close(fused_cache.data.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
+def test_wide_decode_batches_are_fused_up_to_the_bound(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edgeinfer.models import llama
+
+    c, num_seqs = model.config, 37  # rows split over threads in every phase of the fused step
+    g = torch.Generator().manual_seed(1)
+    pool = KVPool(c.num_layers, 2 * num_seqs, BLOCK, c.num_kv_heads, c.head_dim, "fp32", "fp32", model.device)
+    tables = [(2 * i + 1, 2 * i) for i in range(num_seqs)]
+    lengths = [1 + i % BLOCK for i in range(num_seqs)]
+    for n, table in zip(lengths, tables, strict=True):
+        token_ids, batch = build_batch([SeqChunk(tuple(torch.randint(0, c.vocab_size, (n,), generator=g).tolist()),
+                                                 0, table)], BLOCK, model.device)
+        model.forward(token_ids, batch, pool)
+    reference_pool = copy.deepcopy(pool)
+    chunks = [SeqChunk((int(torch.randint(0, c.vocab_size, (), generator=g)),), n, t)
+              for n, t in zip(lengths, tables, strict=True)]
+    token_ids, batch = build_batch(chunks, BLOCK, model.device)
+    calls: list[int] = []
+    fused_step = model._fused_decode
+    monkeypatch.setattr(model, "_fused_decode", lambda *args: calls.append(1) or fused_step(*args))
+    fused = model.forward(token_ids, batch, pool)
+    assert calls == [1]
+    monkeypatch.setattr(llama, "FUSED_DECODE_MAX_SEQS", num_seqs - 1)
+    reference = model.forward(token_ids, batch, reference_pool)  # above the bound: the per-op forward
+    assert calls == [1]
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
+
+
 def test_fused_decode_is_off_where_the_weights_do_not_allow_it() -> None:
     loaded = synthetic_model(CONFIG, "int8", group_size=32, seed=3)
     assert not LlamaModel(loaded.config, loaded.weights).fused_decode  # int8: no AVX2 int4 kernel

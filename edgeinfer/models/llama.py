@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from edgeinfer.config import ModelConfig
 from edgeinfer.host_memory import trim_heap
 from kernels import cpu_ops
-from kernels.dispatch import PREFILL_M, PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
+from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
@@ -67,6 +67,11 @@ def _fuse(weights: list[Weight], dense_dtype: torch.dtype) -> Weight:
 
 
 HEAD_REFINE_ROWS = 64
+# Decode steps up to this many sequences run as one decode_layers call. Its int4 kernel stays
+# within ~10% of dequantize + fp32 GEMM per linear up to 128 rows (tools measurement in
+# kernels.dispatch), and the per-op forward it replaces cost 2x at 48 sequences (394 vs 191 ms
+# per step); larger batches were not measured.
+FUSED_DECODE_MAX_SEQS = 128
 
 
 class LlamaModel:
@@ -239,7 +244,7 @@ class LlamaModel:
         ``key_sink`` collects each layer's keys after RoPE (calibration)."""
         c = self.config
         num_tokens = token_ids.shape[0]
-        if self.fused_decode and batch.is_decode and key_sink is None and num_tokens < PREFILL_M and \
+        if self.fused_decode and batch.is_decode and key_sink is None and num_tokens <= FUSED_DECODE_MAX_SEQS and \
                 kv.k_dtype == kv.v_dtype and kv.k_dtype in PLAIN_DTYPES:
             return self._fused_decode(token_ids, batch, kv)
         q_size = c.num_heads * c.head_dim
