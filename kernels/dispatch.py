@@ -35,8 +35,8 @@ from quant.formats import QuantizedTensor, unpack_int4
 # Crossovers against dequantize + fp32 GEMM. torch's int4 kernel (and a bf16 GEMM) lose from
 # ~32 rows on. The AVX2 kernels, since their accumulators stay in registers and a tile's min
 # terms are one FMA per group, win up to 64 (gate/up 2.71 vs 3.03 ms at 64, down 0.90 vs 1.00;
-# qkv ties at 64 and the dequantized GEMM wins from 96): decode batches of up to 63 sequences
-# stay on the kernels (and on LlamaModel's fused decode step).
+# qkv ties at 64 and the dequantized GEMM wins from 96). LlamaModel's fused decode step calls
+# the kernels directly, for wider batches too (models.llama.FUSED_DECODE_MAX_SEQS).
 PREFILL_M = 32
 CPU_KERNEL_M = 64
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it
@@ -69,7 +69,7 @@ class PreparedLinear:
 
 
 def scratch_numel(weights: list[PreparedLinear]) -> int:
-    """fp32 elements of the scratch buffer the int4_cpu prefill path reuses for these weights."""
+    """fp32 elements of the scratch buffer the CPU int4/int8 prefill paths reuse for these weights."""
     return max((w.shape[0] * w.shape[1] for w in weights if w.path in ("int4_cpu", "int8_cpu")), default=0)
 
 
@@ -170,7 +170,8 @@ def _dequantize_int8_into(weight: QuantizedTensor, out: torch.Tensor) -> torch.T
     n, k = weight.shape
     g = weight.group_size
     dense = out.view(n, k // g, g)
-    torch.mul(weight.qweight.view(n, k // g, g), weight.scales.view(n, k // g, 1), out=dense)
+    # fp32 scales: with fp16 ones the product would be computed, and rounded, in fp16.
+    torch.mul(weight.qweight.view(n, k // g, g), weight.scales.view(n, k // g, 1).float(), out=dense)
     return dense.view(n, k)
 
 

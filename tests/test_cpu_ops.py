@@ -121,10 +121,12 @@ def test_int8_prepare_keeps_fp16_weights_and_errors_name_the_problem():
 
 
 @pytest.mark.parametrize("m", [1, 31, 63, 64, 70])
-def test_dispatch_runs_int8_with_the_kernel_for_decode_and_dequantizes_for_prefill(m):
-    weight = _int8_weight(70, 96, 32, torch.bfloat16, seed=m)
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_dispatch_runs_int8_with_the_kernel_for_decode_and_dequantizes_for_prefill(m, scale_dtype):
+    weight = _int8_weight(70, 96, 32, scale_dtype, seed=m)
     prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
-    assert prepared.path == "int8_cpu" and prepared.source.scales.dtype == torch.float32
+    assert prepared.path == "int8_cpu"
+    assert prepared.source.scales.dtype == (torch.float16 if scale_dtype == torch.float16 else torch.float32)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
     scratch = torch.full((70 * 96 + 5,), float("nan"))
     out = linear(x, prepared, scratch)
