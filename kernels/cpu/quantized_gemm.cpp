@@ -14,12 +14,12 @@
 // Activations become int16 with a scale per 4 values (see quantize_row), so a block's dot
 // product is two madd on integers and one fp32 multiply of lanes:
 //     sum_i x_i * (q_i * s + mn) ~= s * sum_l d_l * sum_{i in l} q_i * xq_i + mn * sum_i x_i
-// with the exact float group sum in the min term (one dot product per output at the end).
+// with the exact float group sum in the min term (added per output after the block loop).
 // Decode (M = 1) reads each weight byte once with ~9 instructions per 32 weights and runs near
 // memory speed on 2 threads (the 49152 x 576 head at ~19 GB/s, measured). A weight block is
 // unpacked once for up to kTile activation rows, but per block and row the integer dot still
-// needs cvt + scale + FMA (AVX2 has no int dot product instruction), so 16 rows cost ~11x one;
-// wide prefill goes to dequantize + fp32 GEMM.
+// needs cvt + scale + FMA (AVX2 has no int dot product instruction), so 16 rows cost ~7-8x one;
+// from ~64 rows on, dequantize + fp32 GEMM wins (kernels.dispatch.CPU_KERNEL_M).
 //
 // The scales are converted to fp32 once per weight row, not per block: a per-block fp16
 // conversion, and a division to find a block's group, each cost more than the block's madds.
@@ -140,8 +140,8 @@ struct Activations {
 // y[m0, m0 + T) x [n0, n1) for T activation rows, R weight rows at a time: R * T independent
 // accumulators, because one accumulator per output serialises on the FMA's latency (K = 576 is
 // only 18 blocks per row). Per block and pair of rows the inner loop is 2 madd, add, cvt, mul,
-// FMA; a weight block is unpacked once for its T activation rows. The min term (int4) is one dot
-// product per pair of rows at the end (min * the group's activation sum).
+// FMA; a weight block is unpacked once for its T activation rows. The min term (int4: min * the
+// group's activation sum) comes after the block loop, for all T rows at once.
 template <int R, int T, typename S, bool kInt8>
 void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x,
                int64_t m0, int64_t n0, int64_t n1, float* y, int64_t ld_y, float* block_scales, float* row_mins) {
@@ -168,7 +168,7 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
     // The next R rows, a cache line per 64 bytes of this block step: rows of R * K / 2 bytes are
     // R short interleaved streams the hardware prefetcher barely trains on (down, 768-byte rows,
     // ran at 9.8 GB/s from DRAM against gate/up's 16.6 with 288-byte rows).
-    const uint8_t* next = w + (n + R) * row_bytes;
+    const uint8_t* next = w + (n + R < n1 ? n + R : n) * row_bytes;  // the last group: itself
     constexpr int64_t kStep = R * (kInt8 ? kBlock : kBlock / 2);  // bytes of the next rows per block
     for (int64_t b = 0; b < blocks; ++b) {
       const char* ahead = reinterpret_cast<const char*>(next + b * kStep);
