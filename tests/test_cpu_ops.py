@@ -24,24 +24,39 @@ from quant.formats import quantize_int4, quantize_int8
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the AVX2 CPU ops do not build here")
 
 
-def _weight(n, k, group, scale_dtype, seed):
+def _weight(n, k, group, scale_dtype, seed, fmt="int4"):
     gen = torch.Generator().manual_seed(seed)
-    w = quantize_int4(torch.randn(n, k, generator=gen) * 0.2 + 0.05, group)
+    dense = torch.randn(n, k, generator=gen) * 0.2 + 0.05
+    if fmt == "int8":
+        w = quantize_int8(dense, group)
+        return replace(w, scales=w.scales.to(scale_dtype))
+    w = quantize_int4(dense, group)
     return replace(w, scales=w.scales.to(scale_dtype), mins=w.mins.to(scale_dtype))
 
 
+# format -> (prepare, the kernel's linear, the exact fp32 reference)
+KERNELS = {
+    "int4": (cpu_ops.prepare_int4, cpu_ops.int4_linear, int4_gemm_reference),
+    "int8": (cpu_ops.prepare_int8, cpu_ops.int8_linear, int8_gemm_reference),
+}
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("n,k,group", [(37, 96, 32), (50, 128, 64), (9, 32, 32), (130, 224, 32)])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 17])
-@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-def test_int4_gemm_matches_references(n, k, group, m, scale_dtype):
-    weight = _weight(n, k, group, scale_dtype, seed=n + m)
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_quantized_gemm_matches_references(fmt, n, k, group, m, scale_dtype):
+    prepare, kernel_linear, exact_reference = KERNELS[fmt]
+    weight = _weight(n, k, group, scale_dtype, seed=n + m, fmt=fmt)
+    if fmt == "int8":
+        assert int(weight.qweight.abs().max()) == 127  # full-range codes: the int32 lanes' worst case
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2 + 0.3
-    out = cpu_ops.int4_linear(x, cpu_ops.prepare_int4(weight))
+    out = kernel_linear(x, prepare(weight))
     assert out.dtype == torch.float32 and out.shape == (m, n)
     # Same int16 rounding of x: equal up to fp32 summation order.
     torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
     # Against the exact product: int16 activations with a scale per 4 values cost ~1e-5.
-    exact = int4_gemm_reference(x, weight)
+    exact = exact_reference(x, weight)
     assert float((out - exact).norm() / exact.norm()) < 1e-4
 
 
@@ -72,41 +87,8 @@ def test_int4_errors_name_the_problem():
         cpu_ops.int4_linear(torch.randn(1, 63), prepared)
 
 
-@pytest.mark.parametrize("m", [1, 31, 63, 64, 70])
-def test_dispatch_uses_the_kernel_for_decode_and_dequantizes_for_prefill(m):
-    weight = _weight(70, 96, 32, torch.float16, seed=m)
-    prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
-    assert isinstance(prepared.kernel, cpu_ops.CpuInt4Weight) and prepared.packed is None
-    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
-    out = linear(x, prepared, torch.empty(70 * 96))
-    if m < CPU_KERNEL_M:
-        torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
-    else:  # dequantize + fp32 GEMM: exact up to summation order
-        torch.testing.assert_close(out, int4_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
-
-
-def _int8_weight(n, k, group, scale_dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    w = quantize_int8(torch.randn(n, k, generator=gen) * 0.2 + 0.05, group)
-    return replace(w, scales=w.scales.to(scale_dtype))
-
-
-@pytest.mark.parametrize("n,k,group", [(37, 96, 32), (50, 128, 64), (9, 32, 32), (130, 224, 32)])
-@pytest.mark.parametrize("m", [1, 3, 5, 17])
-@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32, torch.bfloat16])
-def test_int8_gemm_matches_references(n, k, group, m, scale_dtype):
-    weight = _int8_weight(n, k, group, scale_dtype, seed=n + m)
-    assert int(weight.qweight.abs().max()) == 127  # full-range codes: the int32 lanes' worst case
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2 + 0.3
-    out = cpu_ops.int8_linear(x, cpu_ops.prepare_int8(weight))
-    assert out.dtype == torch.float32 and out.shape == (m, n)
-    torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
-    exact = int8_gemm_reference(x, weight)
-    assert float((out - exact).norm() / exact.norm()) < 1e-4
-
-
 def test_int8_prepare_keeps_fp16_weights_and_errors_name_the_problem():
-    weight = _int8_weight(8, 64, 32, torch.float16, seed=1)
+    weight = _weight(8, 64, 32, torch.float16, seed=1, fmt="int8")
     assert cpu_ops.prepare_int8(weight) is weight  # a Q8_0 tensor runs as loaded: no copy
     with pytest.raises(ValueError, match="multiples of 32"):
         cpu_ops.prepare_int8(quantize_int8(torch.randn(8, 48), 16))
@@ -121,19 +103,23 @@ def test_int8_prepare_keeps_fp16_weights_and_errors_name_the_problem():
 
 
 @pytest.mark.parametrize("m", [1, 31, 63, 64, 70])
-@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
-def test_dispatch_runs_int8_with_the_kernel_for_decode_and_dequantizes_for_prefill(m, scale_dtype):
-    weight = _int8_weight(70, 96, 32, scale_dtype, seed=m)
+@pytest.mark.parametrize("fmt,scale_dtype", [("int4", torch.float16), ("int8", torch.float16),
+                                             ("int8", torch.bfloat16)])
+def test_dispatch_uses_the_kernel_for_decode_and_dequantizes_for_prefill(m, fmt, scale_dtype):
+    weight = _weight(70, 96, 32, scale_dtype, seed=m, fmt=fmt)
     prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
-    assert prepared.path == "int8_cpu"
-    assert prepared.source.scales.dtype == (torch.float16 if scale_dtype == torch.float16 else torch.float32)
+    if fmt == "int4":
+        assert isinstance(prepared.kernel, cpu_ops.CpuInt4Weight) and prepared.packed is None
+    else:  # used as loaded, bf16 scales made fp32
+        assert prepared.path == "int8_cpu"
+        assert prepared.source.scales.dtype == (torch.float16 if scale_dtype == torch.float16 else torch.float32)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(9)) + 0.2
     scratch = torch.full((70 * 96 + 5,), float("nan"))
     out = linear(x, prepared, scratch)
     if m < CPU_KERNEL_M:
         torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
-    else:
-        torch.testing.assert_close(out, int8_gemm_reference(x, weight).float(), rtol=1e-5, atol=1e-4)
+    else:  # dequantize + fp32 GEMM: exact up to summation order
+        torch.testing.assert_close(out, KERNELS[fmt][2](x, weight).float(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (5, 37), (19, 64)])
