@@ -15,6 +15,8 @@ The ops and their references:
 - ``paged_decode_attention`` (attention.cpp): one-token attention over plain KV caches; the
   torch path of kernels.paged_attention is its reference.
 - ``rms_norm`` (rms_norm.cpp): torch.nn.functional.rms_norm is its reference.
+- ``read_rows`` (file_rows.cpp): fp32 rows of a GGUF matrix read from its file, for
+  quant.gguf_import.FileRows, whose Python path (raw rows, convert, dequantize) is its reference.
 - ``decode_layers`` (decode_layers.cpp): all transformer layers of a decode step in one call,
   through the ops above; edgeinfer.models.llama's per-op forward is its reference.
 """
@@ -120,6 +122,12 @@ def dequantize_into(weight: CpuInt4Weight, out: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     torch.ops.edgeinfer_cpu.int4_dequantize(weight.packed, weight.scales, weight.mins, weight.group_size, out)
     return out.view(-1)[: n * k].view(n, k)
+
+
+def read_rows(fd: int, offset: int, num_rows: int, k: int, ggml_type: int, row_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 (len(row_ids), k) rows of a (num_rows, k) GGUF matrix (F32, F16, BF16, Q4_0, Q4_1 or
+    Q8_0) stored at byte ``offset`` of the open file ``fd``; one pread per row."""
+    return torch.ops.edgeinfer_cpu.read_rows(fd, offset, num_rows, k, ggml_type, row_ids)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

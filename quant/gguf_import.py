@@ -27,7 +27,15 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from quant.formats import QuantizedTensor
-from quant.gguf_reader import GGUF_MAGIC, GGUFFile, GGUFFormatError, TensorInfo, open_gguf, read_tensor
+from quant.gguf_reader import (
+    GGUF_MAGIC,
+    GGUFFile,
+    GGUFFormatError,
+    TensorInfo,
+    open_gguf,
+    read_rows_reference,
+    read_tensor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +252,54 @@ def open_gguf_model(path: str | os.PathLike[str]) -> GGUFSource:
     return GGUFSource(path, read_config(reader), read_tokenizer_metadata(reader), tensors)
 
 
+# GGUF types whose rows convert on their own, bit for bit (the others dequantize with a warning).
+_ROW_TYPES = {0: None, 1: None, 30: None, 2: "int4", 3: "int4", 8: "int8"}  # F32 F16 BF16 Q4_0 Q4_1 Q8_0
+
+
+class FileRows:
+    """The rows of one 2-D GGUF tensor, read from the file when asked; only an open file is held.
+
+    For the embedding, which a decode step touches a row per token of (plus the head's refined
+    candidates when tied): the default model's 49152 x 576 Q8_0 table is 29 MB of resident
+    memory when loaded. A row costs one pread and its decoding (kernels.cpu_ops.read_rows).
+    """
+
+    def __init__(self, path: Path, tensor: TensorInfo) -> None:
+        if len(tensor.shape) != 2 or tensor.ggml_type not in _ROW_TYPES:
+            raise ValueError(f"tensor {tensor.name} cannot be read by rows (shape {tensor.shape}, "
+                             f"GGUF type {tensor.ggml_type})")
+        k, n = tensor.shape
+        self.shape = (n, k)
+        self.format = _ROW_TYPES[tensor.ggml_type]  # QuantizedTensor format of read(), None: dense
+        self._path = path
+        self._tensor = tensor
+        self._row_bytes = tensor.nbytes // n
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 (open as long as the model lives)
+
+    def read(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """fp32 (len(row_ids), K): rows ``row_ids`` (1-D, any order, repeats allowed)."""
+        from kernels import cpu_ops  # kernels imports quant
+
+        t = self._tensor
+        try:
+            if cpu_ops.available():
+                return cpu_ops.read_rows(self._file.fileno(), t.offset, *self.shape, t.ggml_type, row_ids)
+            return self.read_reference(row_ids)
+        except RuntimeError as exc:
+            raise ModelFileError(f"{self._path}: reading rows of tensor {t.name}: {exc}") from exc
+
+    def read_reference(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """read() through the importer's conversion: one pread per row, convert, dequantize."""
+        raw = read_rows_reference(self._file.fileno(), self._tensor.offset, self._row_bytes, self.shape[0], row_ids)
+        selected = dataclasses.replace(self._tensor, shape=(self.shape[1], raw.shape[0]), nbytes=raw.numel())
+        rows = convert_tensor(selected, raw.numpy().reshape(-1))
+        return rows.dequantize(torch.float32) if isinstance(rows, QuantizedTensor) else rows.float()
+
+    def load(self) -> Weight:
+        """The whole tensor, converted."""
+        return convert_tensor(self._tensor, read_tensor(self._path, self._tensor))
+
+
 class LazyWeights(Mapping[str, Weight]):
     """A GGUF file's weights by HF name, each read and converted on first use.
 
@@ -264,6 +320,20 @@ class LazyWeights(Mapping[str, Weight]):
                 raise KeyError(name)
             self._kept[name] = self._source.load(name)
         return self._kept[name]
+
+    def file_rows(self, name: str, take: bool = False) -> FileRows | None:
+        """Tensor ``name`` as FileRows, or None where its rows do not convert on their own (type,
+        or a Q/K permutation). ``take`` drops the name, as ``pop`` does."""
+        if name not in self._names:
+            raise KeyError(name)
+        tensor = self._source.tensors[name]
+        if name.endswith(("q_proj.weight", "k_proj.weight")) or len(tensor.shape) != 2 or \
+                tensor.ggml_type not in _ROW_TYPES:
+            return None
+        if take:
+            self._kept.pop(name, None)
+            self._names.remove(name)
+        return FileRows(self._source.path, tensor)
 
     def pop(self, name: str) -> Weight:
         if name not in self._names:

@@ -3,18 +3,21 @@
 The gguf package's GGUFReader builds a numpy memmap view for every string of the vocabulary
 (~250k views for a 49k-token model: 9 s here, and the whole file mapped). This reader parses the
 metadata block from one buffered read with `struct` (~0.3 s), and reads each tensor's bytes with
-a plain file read when asked, so nothing stays mapped. The gguf package still provides the
+a plain file read when asked, so nothing stays mapped (and a matrix's rows one by one:
+read_rows_reference). The gguf package still provides the
 quantization type table and dequantization of types we do not map natively.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import torch
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -91,6 +94,25 @@ def read_tensor(path: Path, tensor: TensorInfo) -> np.ndarray:
     if data.size != tensor.nbytes:
         raise GGUFFormatError(f"tensor {tensor.name} is cut short: {data.size} of {tensor.nbytes} bytes")
     return data
+
+
+def read_rows_reference(fd: int, offset: int, row_bytes: int, num_rows: int, row_ids: torch.Tensor) -> torch.Tensor:
+    """(len(row_ids), row_bytes) uint8: rows of the matrix of ``num_rows`` rows that starts at
+    byte ``offset`` of the open file ``fd``, one pread each (kernels.cpu_ops.read_rows is the fast
+    version; raises IndexError for a row outside the matrix, RuntimeError where the file ends)."""
+    out = torch.empty((row_ids.numel(), row_bytes), dtype=torch.uint8)
+    view = memoryview(out.numpy()).cast("B")
+    for i, row in enumerate(row_ids.tolist()):
+        if not 0 <= row < num_rows:
+            raise IndexError(f"row id {row} is outside [0, {num_rows})")
+        done = 0
+        while done < row_bytes:
+            got = os.preadv(fd, [view[i * row_bytes + done:(i + 1) * row_bytes]], offset + row * row_bytes + done)
+            if got == 0:
+                raise RuntimeError(f"reading row {row}: the file ends at byte {offset + row * row_bytes + done} "
+                                   "(changed while in use?)")
+            done += got
+    return out
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

@@ -1,13 +1,23 @@
-"""A GGUF's weights are read when used: `[]` keeps a tensor, `pop` hands it over."""
+"""A GGUF's weights are read when used: `[]` keeps a tensor, `pop` hands it over, and on the
+CPU the embedding's rows are read from the file per step (FileRows)."""
 
+import dataclasses
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.llm import build_model
+from edgeinfer.llm import build_model, generate_tokens, single_stream_runner
 from edgeinfer.loader import load_model
+from edgeinfer.model_runner import SeqChunk
+from edgeinfer.sampling_params import SamplingParams
+from kernels import cpu_ops
+from quant.formats import QuantizedTensor
+from quant.gguf_import import FileRows, ModelFileError, convert_tensor
+from quant.gguf_reader import open_gguf, read_tensor
 
 NAME = "model.layers.3.mlp.down_proj.weight"
 
@@ -33,3 +43,72 @@ def test_take_weights_leaves_nothing_behind(default_model_path: Path) -> None:
     loaded = load_model(default_model_path)
     build_model(loaded, RuntimeConfig(linear_path="int4_cpu"), take_weights=True)
     assert len(loaded.weights) == 0
+
+
+def _one_tensor_gguf(path: Path, kind: str, n: int, k: int) -> None:
+    import gguf
+
+    t = gguf.GGMLQuantizationType[kind]
+    values = np.random.default_rng(n * k + t).standard_normal((n, k)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    data = values if kind == "F32" else values.astype(np.float16) if kind == "F16" else gguf.quants.quantize(values, t)
+    writer.add_tensor("token_embd.weight", data, raw_dtype=None if kind in ("F32", "F16") else t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])
+def test_file_rows_equal_the_loaded_tensor(kind: str, tmp_path: Path) -> None:
+    path = tmp_path / "rows.gguf"
+    n, k = 37, 96  # rows and blocks that fill no power-of-two tile
+    _one_tensor_gguf(path, kind, n, k)
+    (tensor,) = open_gguf(path).tensors
+    whole = convert_tensor(tensor, read_tensor(path, tensor))
+    whole = whole.dequantize(torch.float32) if isinstance(whole, QuantizedTensor) else whole.float()
+    rows = FileRows(path, tensor)
+    assert rows.shape == (n, k)
+    ids = torch.tensor([36, 0, 5, 5, 17, 36, 1, 2, 3, 30])  # unsorted, repeats, both ends
+    expected = whole[ids]
+    assert torch.equal(rows.read_reference(ids), expected)
+    if cpu_ops.available():  # the C++ op, bit for bit
+        assert torch.equal(rows.read(ids), expected)
+        assert rows.read(torch.tensor([], dtype=torch.long)).shape == (0, k)
+    for bad in ([n], [-1]):
+        with pytest.raises(IndexError, match="outside"):
+            rows.read(torch.tensor(bad))
+        with pytest.raises(IndexError, match="outside"):
+            rows.read_reference(torch.tensor(bad))
+
+
+def test_file_rows_cut_short_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "rows.gguf"
+    _one_tensor_gguf(path, "Q8_0", 40, 64)
+    (tensor,) = open_gguf(path).tensors
+    rows = FileRows(path, tensor)
+    os.truncate(path, tensor.offset + tensor.nbytes // 2)  # the file changes under a running model
+    assert rows.read(torch.tensor([0, 1])).shape == (2, 64)  # rows still there read as before
+    for read in (rows.read, lambda ids: rows.read_reference(ids)):
+        with pytest.raises((ModelFileError, RuntimeError), match="file ends"):
+            read(torch.tensor([39]))
+
+
+def test_embedding_stays_in_the_file(default_model_path: Path) -> None:
+    """The CPU model reads its embedding rows from the GGUF, with the same logits (prefill and
+    greedy decode) as a model holding the loaded table."""
+    runtime = RuntimeConfig(linear_path="int4_cpu")
+    from_file = build_model(load_model(default_model_path), runtime, take_weights=True)
+    assert isinstance(from_file.embed, FileRows) and isinstance(from_file._head_exact, FileRows)
+    loaded = load_model(default_model_path)
+    held = build_model(dataclasses.replace(loaded, weights=dict(loaded.weights)), runtime, take_weights=True)
+    assert isinstance(held.embed, QuantizedTensor)
+    ids = list(range(300, 340))
+    runs = []
+    for model in (from_file, held):
+        runner = single_stream_runner(model, runtime, len(ids) + 9)
+        prefill = runner.logits([SeqChunk(tuple(ids), 0, tuple(range(runner.pool.num_blocks)))])
+        runner = single_stream_runner(model, runtime, len(ids) + 9)
+        tokens = list(generate_tokens(runner, ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        runs.append((prefill, tokens))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]

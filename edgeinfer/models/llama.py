@@ -22,6 +22,7 @@ from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from quant.formats import QuantizedTensor, concat_rows, quantize_int4
+from quant.gguf_import import FileRows, LazyWeights
 
 Weight = torch.Tensor | QuantizedTensor
 
@@ -82,6 +83,9 @@ class LlamaModel:
     re-quantized to int4 g32 for a coarse pass (2.6 ms instead of 5.3 ms as a bf16 GEMV), then
     the HEAD_REFINE_ROWS highest logits are recomputed exactly from the original rows. The
     tokens that sampling can pick get the exact head; only far-tail logits carry int4 error.
+
+    On the CPU a GGUF's embedding is not loaded: each step reads the rows it needs (its tokens,
+    and the refined head rows when tied) from the file (quant.gguf_import.FileRows).
     """
 
     def __init__(
@@ -123,27 +127,26 @@ class LlamaModel:
             ))
             trim_heap()  # the layer's staging copies, before the next layer's land between them
         self.norm = self._dense(get("model.norm.weight"))
-        embed = get("model.embed_tokens.weight")
-        head = embed if c.tie_word_embeddings else get("lm_head.weight")
+        embed_name = "model.embed_tokens.weight"
+        embed: Weight | FileRows | None = None
+        if self.device.type == "cpu" and isinstance(weights, LazyWeights):
+            embed = weights.file_rows(embed_name, take=take_weights)  # rows read per step
+        if embed is None:
+            embed = _to_device(get(embed_name), self.device)
         self.embed = embed
-        if isinstance(self.embed, QuantizedTensor):
-            self.embed = QuantizedTensor(
-                self.embed.format, self.embed.shape, self.embed.group_size,
-                self.embed.qweight.to(self.device), self.embed.scales.to(self.device),
-                None if self.embed.mins is None else self.embed.mins.to(self.device),
-            )
-        else:
-            self.embed = self.embed.to(self.device)
-        self._head_exact: Weight | None = None
+        head = embed if c.tie_word_embeddings else get("lm_head.weight")
+        self._head_exact: Weight | FileRows | None = None
         # Measured on the default model's Q8_0 head: the int8 kernel (1.65-2.0 ms per token, 30 MB
         # read) loses to int4 + refinement (1.2-1.3 ms, 18 MB read) by more than the 17 MB it saves.
-        if head_format == "int4" and not (isinstance(head, QuantizedTensor) and head.format == "int4"):
-            self._head_exact = head if isinstance(head, QuantizedTensor) else head.to(self.device, torch.float32)
+        if head_format == "int4" and _format(head) != "int4":
+            self._head_exact = head.to(self.device, torch.float32) if isinstance(head, torch.Tensor) else head
             # Row chunks: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB.
             rows = torch.arange(head.shape[0])
             head = concat_rows([quantize_int4(_rows(head, chunk), 32) for chunk in rows.split(4096)])
             # fp16 scales and mins: the coarse pass reads 20 instead of 24 bytes per 32 weights.
             head = QuantizedTensor("int4", head.shape, 32, head.qweight, head.scales.half(), head.mins.half())
+        elif isinstance(head, FileRows):
+            head = head.load()
         self.head = prep(head)
         trim_heap()
         linears = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -293,8 +296,24 @@ class LlamaModel:
         return self._head(h)
 
 
-def _rows(weight: Weight, row_ids: torch.Tensor) -> torch.Tensor:
+def _format(weight: Weight | FileRows) -> str | None:
+    """The QuantizedTensor format of a weight, None for a dense one."""
+    return None if isinstance(weight, torch.Tensor) else weight.format
+
+
+def _to_device(weight: Weight, device: torch.device) -> Weight:
+    if not isinstance(weight, QuantizedTensor):
+        return weight.to(device)
+    return QuantizedTensor(
+        weight.format, weight.shape, weight.group_size, weight.qweight.to(device), weight.scales.to(device),
+        None if weight.mins is None else weight.mins.to(device),
+    )
+
+
+def _rows(weight: Weight | FileRows, row_ids: torch.Tensor) -> torch.Tensor:
     """fp32 rows of a (possibly quantized) matrix: embedding lookup and head refinement."""
+    if isinstance(weight, FileRows):
+        return weight.read(row_ids)
     if not isinstance(weight, QuantizedTensor):
         return weight[row_ids].float()
     rows = QuantizedTensor(

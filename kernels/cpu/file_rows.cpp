@@ -1,0 +1,127 @@
+// Rows of a GGUF matrix read from its file as fp32: op torch.ops.edgeinfer_cpu.read_rows.
+//
+// quant.gguf_import.FileRows keeps a GGUF's embedding in its file and reads the rows a step
+// needs (its tokens, the head's refined candidates: ~65 per decoded token). Nothing is mapped,
+// so only the rows read occupy memory (a mapping's page faults bring in 64 KB around each row
+// and the table creeps back to fully resident). One pread per row, ~1-2 us from the page cache
+// on this VM, and the row decoded here: the Python path (quant.gguf_reader.read_rows_reference,
+// then quant.gguf_import.convert_tensor and the QuantizedTensor's dequantize, the reference)
+// spends ~80 us per call converting. Values equal the reference's bit for bit: the same fp32
+// operations in the same order, never contracted into FMAs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+#include <unistd.h>
+
+namespace {
+
+// GGML type ids and the bytes of one 32-value block (or of one value, for the float types).
+enum GgmlType : int64_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kBF16 = 30 };
+
+int64_t row_bytes_of(int64_t type, int64_t k) {
+  switch (type) {
+    case kF32: return 4 * k;
+    case kF16: case kBF16: return 2 * k;
+    case kQ4_0: return k / 32 * 18;
+    case kQ4_1: return k / 32 * 20;
+    case kQ8_0: return k / 32 * 34;
+    default: TORCH_CHECK(false, "GGUF type ", type, " has no row reader");
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+__attribute__((optimize("fp-contract=off")))
+void decode_row(int64_t type, const uint8_t* src, int64_t k, float* dst) {
+  switch (type) {
+    case kF32: std::memcpy(dst, src, 4 * k); return;
+    case kF16: for (int64_t i = 0; i < k; ++i) dst[i] = half_at(src + 2 * i); return;
+    case kBF16:
+      for (int64_t i = 0; i < k; ++i) {
+        c10::BFloat16 b;
+        std::memcpy(&b, src + 2 * i, 2);
+        dst[i] = static_cast<float>(b);
+      }
+      return;
+    case kQ8_0:
+      for (int64_t b = 0; b < k / 32; ++b, src += 34) {
+        const float d = half_at(src);
+        for (int j = 0; j < 32; ++j) dst[32 * b + j] = static_cast<float>(static_cast<int8_t>(src[2 + j])) * d;
+      }
+      return;
+    case kQ4_0: case kQ4_1: {
+      const int64_t block = type == kQ4_1 ? 20 : 18;
+      for (int64_t b = 0; b < k / 32; ++b, src += block) {
+        const float d = half_at(src);
+        const float m = type == kQ4_1 ? half_at(src + 2) : -8.0f * d;  // the importer's fp32 min for Q4_0
+        const uint8_t* q = src + block - 16;  // byte j: element j (low nibble), j + 16 (high)
+        for (int j = 0; j < 16; ++j) {
+          dst[32 * b + j] = static_cast<float>(q[j] & 0x0F) * d + m;
+          dst[32 * b + 16 + j] = static_cast<float>(q[j] >> 4) * d + m;
+        }
+      }
+      return;
+    }
+    default: TORCH_CHECK(false, "GGUF type ", type, " has no row reader");
+  }
+}
+
+// fp32 (len(ids), k): rows ids[i] of the (num_rows, k) matrix of GGUF type `type` that starts at
+// byte `offset` of the open file `fd`.
+at::Tensor read_rows(int64_t fd, int64_t offset, int64_t num_rows, int64_t k, int64_t type, const at::Tensor& ids_in) {
+  TORCH_CHECK(ids_in.dim() == 1, "row ids must be one-dimensional, got ", ids_in.sizes());
+  TORCH_CHECK(k > 0 && k % 32 == 0 && offset >= 0, "bad matrix layout: offset ", offset, ", k ", k);
+  const int64_t row_bytes = row_bytes_of(type, k);
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < num_rows, "row id ", id[i], " is outside [0, ", num_rows, ")");
+  }
+  // A batch's refined rows (64 per sequence) split over threads: pread costs ~1.2 us a row here.
+  std::string error;
+  std::mutex error_lock;
+  at::parallel_for(0, n, 256, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> raw(row_bytes);
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t done = 0;
+      while (done < row_bytes) {  // pread may return fewer bytes (signals, some filesystems)
+        const ssize_t got = pread(static_cast<int>(fd), raw.data() + done, row_bytes - done,
+                                  offset + id[i] * row_bytes + done);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {  // no exceptions inside the parallel region: report after it
+          std::lock_guard<std::mutex> guard(error_lock);
+          error = "reading row " + std::to_string(id[i]) + " at byte " + std::to_string(offset + id[i] * row_bytes + done) +
+                  ": " + (got < 0 ? std::strerror(errno) : "the file ends there (changed while in use?)");
+          return;
+        }
+        done += got;
+      }
+      decode_row(type, raw.data(), k, out.data_ptr<float>() + i * k);
+    }
+  });
+  TORCH_CHECK(error.empty(), error);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
+  m.def("read_rows(int fd, int offset, int num_rows, int k, int ggml_type, Tensor ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("read_rows", &read_rows); }
