@@ -148,7 +148,7 @@ def _drafter(args: argparse.Namespace, num_tokens: int) -> str | DraftModel | No
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from edgeinfer.llm import generate_tokens
+    from edgeinfer.llm import generate_tokens, prefill
     from edgeinfer.model_runner import SeqChunk
     from edgeinfer.sampling_params import SamplingParams
 
@@ -160,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     table = tuple(range(runner.pool.num_blocks))
     runner.logits([SeqChunk(tuple(ids[:16]), 0, table)])  # warm-up: first-call allocations
     start = time.perf_counter()
-    runner.logits([SeqChunk(tuple(ids), 0, table)])
+    prefill(runner, ids)  # in chunks, as generate runs a prompt
     prefill_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
     stream = generate_tokens(runner, ids, params)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.llm import build_model, single_stream_runner
+from edgeinfer.llm import CPU_PREFILL_CHUNK, build_model, prefill, single_stream_runner
 from edgeinfer.model_runner import SeqChunk
 
 PROMPTS = [
@@ -65,6 +65,25 @@ def test_fp32_logits_match_transformers(loaded_model, hf_runs) -> None:
         assert tokens == hf_tokens, prompt
         for step, (ours, ref) in enumerate(zip(logits, hf_logits, strict=True)):
             assert _rel(ours, ref) < 1e-4, (prompt, step, _rel(ours, ref))
+
+
+def test_chunked_prefill_matches_transformers(loaded_model, hf_reference) -> None:
+    """Prompts run CPU_PREFILL_CHUNK tokens per forward (or any chunk): the last token's logits
+    still match transformers' one-pass prefill of the whole prompt."""
+    hf_model, _ = hf_reference
+    ids = loaded_model.tokenizer.encode(" ".join(PROMPTS) * 8)[:300]
+    assert len(ids) == 300 > 2 * CPU_PREFILL_CHUNK
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0, -1].float()
+    runtime = RuntimeConfig(linear_path="reference")
+    model = build_model(loaded_model, runtime)
+    for chunk in (None, 77):
+        runner = single_stream_runner(model, runtime, len(ids))
+        assert _rel(prefill(runner, ids, chunk)[0], expected) < 1e-4, chunk
+    with pytest.raises(ValueError, match="empty"):
+        prefill(runner, [])
+    with pytest.raises(ValueError, match="positive"):
+        prefill(runner, ids, 0)
 
 
 def test_int4_fast_path_greedy_matches_for_16_tokens(loaded_model, hf_runs, capsys) -> None:
