@@ -274,7 +274,11 @@ class FileRows:
         self._path = path
         self._tensor = tensor
         self._row_bytes = tensor.nbytes // n
-        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 (open as long as the model lives)
+        self._fd = os.open(path, os.O_RDONLY)  # open as long as the model lives
+
+    def __del__(self) -> None:
+        if hasattr(self, "_fd"):
+            os.close(self._fd)
 
     def read(self, row_ids: torch.Tensor) -> torch.Tensor:
         """fp32 (len(row_ids), K): rows ``row_ids`` (1-D, any order, repeats allowed)."""
@@ -283,14 +287,14 @@ class FileRows:
         t = self._tensor
         try:
             if cpu_ops.available():
-                return cpu_ops.read_rows(self._file.fileno(), t.offset, *self.shape, t.ggml_type, row_ids)
+                return cpu_ops.read_rows(self._fd, t.offset, *self.shape, t.ggml_type, row_ids)
             return self.read_reference(row_ids)
         except RuntimeError as exc:
             raise ModelFileError(f"{self._path}: reading rows of tensor {t.name}: {exc}") from exc
 
     def read_reference(self, row_ids: torch.Tensor) -> torch.Tensor:
         """read() through the importer's conversion: one pread per row, convert, dequantize."""
-        raw = read_rows_reference(self._file.fileno(), self._tensor.offset, self._row_bytes, self.shape[0], row_ids)
+        raw = read_rows_reference(self._fd, self._tensor.offset, self._row_bytes, self.shape[0], row_ids)
         selected = dataclasses.replace(self._tensor, shape=(self.shape[1], raw.shape[0]), nbytes=raw.numel())
         rows = convert_tensor(selected, raw.numpy().reshape(-1))
         return rows.dequantize(torch.float32) if isinstance(rows, QuantizedTensor) else rows.float()

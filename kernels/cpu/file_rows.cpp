@@ -84,7 +84,7 @@ void decode_row(int64_t type, const uint8_t* src, int64_t k, float* dst) {
 at::Tensor read_rows(int64_t fd, int64_t offset, int64_t num_rows, int64_t k, int64_t type, const at::Tensor& ids_in) {
   TORCH_CHECK(ids_in.dim() == 1, "row ids must be one-dimensional, got ", ids_in.sizes());
   TORCH_CHECK(k > 0 && k % 32 == 0 && offset >= 0, "bad matrix layout: offset ", offset, ", k ", k);
-  const int64_t row_bytes = row_bytes_of(type, k);
+  const int64_t row_bytes = row_bytes_of(type, k);  // also rejects types decode_row cannot read
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   at::Tensor out = at::empty({n, k}, at::kFloat);
