@@ -112,8 +112,8 @@ class SamplingParams:
             _fail("beam_width", self.beam_width, f"must be in [0, {MAX_BEAM_WIDTH}] (0: sampling)")
         if not math.isfinite(self.length_penalty):
             _fail("length_penalty", self.length_penalty, "must be a finite number")
-        if self.early_stopping not in (True, False, "never"):
-            _fail("early_stopping", self.early_stopping, "must be true, false or \"never\"")
+        if self.early_stopping is not True and self.early_stopping is not False and self.early_stopping != "never":
+            _fail("early_stopping", self.early_stopping, 'must be true, false or "never"')  # 1 == True: by identity
         if self.beam_width:
             if self.n > self.beam_width:
                 _fail("n", self.n, f"must be <= beam_width={self.beam_width} (the n best beams are returned)")
@@ -181,9 +181,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, bool):
             _fail(name, value, "must be true or false")
         return value
-    if kind == "early":
-        if value is not True and value is not False and value != "never":
-            _fail(name, value, 'must be true, false or "never"')
+    if kind == "early":  # checked by SamplingParams itself
         return value
     if kind == "stop":
         items = [value] if isinstance(value, str) else value

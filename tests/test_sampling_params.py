@@ -32,6 +32,8 @@ def test_defaults_are_valid_and_not_greedy():
     ({"stop": ["x"] * 17}, ["stop", "too many"]),
     ({"stop_token_ids": [-4]}, ["stop_token_ids", "-4"]),
     ({"seed": 2**64}, ["seed"]),
+    ({"early_stopping": 1}, ["early_stopping", "never"]),  # 1 == True, but not a bool
+    ({"early_stopping": "always"}, ["early_stopping", "always"]),
 ])
 def test_bad_values_name_field_and_value(kwargs, words):
     with pytest.raises(InvalidParams) as info:
@@ -76,6 +78,7 @@ def test_from_dict_accepts_openai_style_values():
     ({"logit_bias": [1, 2]}, ["logit_bias", "object"]),
     ({"logit_bias": {"abc": 1}}, ["logit_bias", "token ids"]),
     ({"logit_bias": {"1": "x"}}, ["logit_bias", "numbers"]),
+    ({"early_stopping": 0}, ["early_stopping", "never"]),
 ])
 def test_from_dict_rejects_wrong_keys_and_types(data, words):
     with pytest.raises(InvalidParams) as info:
