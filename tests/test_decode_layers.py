@@ -42,16 +42,21 @@ def _prefilled(model: LlamaModel, kv_dtype: str, prompts: list[list[int]],
     return pool
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16"])
-def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: str) -> None:
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(0)
+    if kv_dtype == "int8":  # keys centred as after calibration (then rotated and quantized)
+        c = model.config
+        monkeypatch.setattr(model, "_key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
     lengths = (1, 6, 13)  # contexts that end mid-block, one a single token
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     tables = [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]  # scattered, out of order, room for decode
     # Where the two paths differ in the last bits (below), a bf16 / fp16 cache may round a value
     # one step apart: tolerances are the cache dtype's resolution, 1e-4 for fp32.
-    cache_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[kv_dtype]
-    tol = max(1e-4, torch.finfo(cache_dtype).eps)
+    # int8: a value within a rounding step of a code boundary may take the neighbouring code.
+    tol = 1 / 127 if kv_dtype == "int8" else \
+        max(1e-4, torch.finfo({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[kv_dtype]).eps)
     fused_pool = _prefilled(model, kv_dtype, prompts, tables)
     reference_pool = copy.deepcopy(fused_pool)
     for step in range(3):
@@ -72,6 +77,11 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
     for fused_cache, reference_cache in zip(fused_pool.k_caches + fused_pool.v_caches,
                                             reference_pool.k_caches + reference_pool.v_caches, strict=True):
         expected = reference_cache.data.float()
+        if kv_dtype == "int8":  # codes within one step, nearly all equal; scales to fp16 rounding
+            assert (fused_cache.data.int() - reference_cache.data.int()).abs().max() <= 1
+            assert (fused_cache.data != reference_cache.data).float().mean() < 0.01
+            torch.testing.assert_close(fused_cache.scale.float(), reference_cache.scale.float(), rtol=1e-3, atol=0)
+            continue
         torch.testing.assert_close(fused_cache.data.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
@@ -117,9 +127,10 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
     k = [cache.data for cache in pool.k_caches]
     v = [cache.data for cache in pool.v_caches]
 
-    def run(weights=model._decode_weights, positions=batch.positions, slots=batch.slot_mapping, k_caches=k):
-        cpu_ops.decode_layers(h, weights, 32, model._cos, model._sin, positions, k_caches, v, slots,
-                              batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5)
+    def run(weights=model._decode_weights, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
+            v_caches=v, **int8):
+        cpu_ops.decode_layers(h, weights, 32, model._cos, model._sin, positions, k_caches, v_caches, slots,
+                              batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5, **int8)
 
     with pytest.raises(RuntimeError, match="14 weights"):
         run(weights=model._decode_weights[:-1])
@@ -129,4 +140,12 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
         run(positions=torch.tensor([c.max_position]))
     with pytest.raises(RuntimeError, match="one shape and dtype"):
         run(k_caches=[k[0].half()] + k[1:])
+    codes = [t.to(torch.int8) for t in k]
+    with pytest.raises(RuntimeError, match="one K and one V scale tensor per layer"):
+        run(k_caches=codes, v_caches=codes)
+    scales = [torch.ones(t.shape[:3], dtype=torch.float16) for t in k]
+    with pytest.raises(RuntimeError, match="KV rotation"):
+        run(k_caches=codes, v_caches=codes, k_scales=scales, v_scales=scales)
+    with pytest.raises(RuntimeError, match="plain caches take no scales"):
+        run(k_scales=scales, v_scales=scales)
     run()  # the same call with good arguments goes through

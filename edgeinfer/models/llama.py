@@ -73,6 +73,8 @@ HEAD_REFINE_ROWS = 64
 # kernels.dispatch), and the per-op forward it replaces cost 2x at 48 sequences (394 vs 191 ms
 # per step); larger batches were not measured.
 FUSED_DECODE_MAX_SEQS = 128
+# KV formats the fused step writes and reads (K and V alike); int4 caches take the per-op forward.
+FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8")
 
 
 class LlamaModel:
@@ -198,16 +200,20 @@ class LlamaModel:
         runner calls this when it binds the model to a pool with quantized keys."""
         if self._key_centres is not None or not self._kv_calibration_ids:
             return
-        from edgeinfer.model_runner import SeqChunk, build_batch  # model_runner imports this module
+        from edgeinfer.llm import CPU_PREFILL_CHUNK  # both import this module
+        from edgeinfer.model_runner import SeqChunk, build_batch
 
         c = self.config
         ids = tuple(self._kv_calibration_ids[: c.max_position])
         num_blocks = -(-len(ids) // 16)
         pool = KVPool(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32", self.device)
-        token_ids, batch = build_batch([SeqChunk(ids, 0, tuple(range(num_blocks)))], 16, self.device)
-        keys: list[torch.Tensor] = []
-        self.forward(token_ids, batch, pool, key_sink=keys)
-        self._key_centres = torch.stack([k.float().mean(dim=0) for k in keys])
+        keys: list[torch.Tensor] = []  # layer by layer, chunk after chunk
+        for start in range(0, len(ids), CPU_PREFILL_CHUNK):  # bounded activations, as llm.prefill
+            chunk = SeqChunk(ids[start:start + CPU_PREFILL_CHUNK], start, tuple(range(num_blocks)))
+            token_ids, batch = build_batch([chunk], 16, self.device)
+            self.forward(token_ids, batch, pool, key_sink=keys)
+        self._key_centres = torch.stack([torch.cat(keys[layer::c.num_layers]).float().mean(dim=0)
+                                         for layer in range(c.num_layers)])
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return _rows(self.embed, token_ids)
@@ -233,10 +239,14 @@ class LlamaModel:
     def _fused_decode(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
         c = self.config
         h = self.embed_tokens(token_ids).contiguous()
+        int8 = kv.k_dtype == "int8"  # then K and V both (FUSED_KV_DTYPES)
         cpu_ops.decode_layers(
             h, self._decode_weights, self._decode_group, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
             batch.block_tables, batch.context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps,
+            k_scales=[cache.scale for cache in kv.k_caches] if int8 else [],
+            v_scales=[cache.scale for cache in kv.v_caches] if int8 else [],
+            rotation=self._kv_rotation if int8 else None, key_centres=self._key_centres if int8 else None,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.norm))
 
@@ -248,7 +258,7 @@ class LlamaModel:
         c = self.config
         num_tokens = token_ids.shape[0]
         if self.fused_decode and batch.is_decode and key_sink is None and num_tokens <= FUSED_DECODE_MAX_SEQS and \
-                kv.k_dtype == kv.v_dtype and kv.k_dtype in PLAIN_DTYPES:
+                kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES:
             return self._fused_decode(token_ids, batch, kv)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim

@@ -1,4 +1,5 @@
-// Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16), for AVX2 CPUs.
+// Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16) or int8 ones with
+// a scale per token and head (for decode_layers), for AVX2 CPUs.
 //
 // Op torch.ops.edgeinfer_cpu.paged_decode_attention; kernels.paged_attention calls it on the
 // CPU and its torch path is the reference. One query token per sequence, q head h reads KV head
@@ -55,9 +56,12 @@ void weighted_values(const float* p, const T* v_cache, const int64_t* rows, int6
 // One query head against `len` cached tokens (their K/V row offsets in `rows`): the largest
 // score, the sum of exp(score - max) and the unnormalised value sum o (head_dim floats).
 // `scores` must hold len + 8 floats.
+// int8 caches: k_scale / v_scale are the caches' fp16 scales and srows each token's index into
+// them; a key's scale multiplies its score, a value's its softmax weight (after the sum l).
 template <typename T>
 void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
-                 int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, float* o) {
+                 int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, float* o,
+                 const c10::Half* k_scale = nullptr, const c10::Half* v_scale = nullptr, const int64_t* srows = nullptr) {
   // Four keys at a time: four independent FMA chains instead of one serial chain per key.
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
@@ -72,6 +76,9 @@ void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int6
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(load8(k_cache + rows[t] + d), _mm256_loadu_ps(qj + d), acc);
     scores[t] = hsum(acc) * scale;
+  }
+  if (k_scale != nullptr) {
+    for (t = 0; t < len; ++t) scores[t] *= static_cast<float>(k_scale[srows[t]]);
   }
   __m256 mv = _mm256_set1_ps(scores[0]);
   for (t = 0; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scores + t));
@@ -96,6 +103,9 @@ void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int6
   }
   *m_out = m;
   *l_out = sum;
+  if (v_scale != nullptr) {
+    for (t = 0; t < len; ++t) scores[t] *= static_cast<float>(v_scale[srows[t]]);
+  }
   for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
     switch (std::min<int64_t>(32, head_dim - d0) / 8) {
       case 4: weighted_values<4>(scores, v_cache, rows, len, d0, 1.0f, o + d0); break;
@@ -111,7 +121,8 @@ constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not wo
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, float scale, float* out) {
+            int64_t block_size, float scale, float* out, const c10::Half* k_scale = nullptr,
+            const c10::Half* v_scale = nullptr) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
@@ -128,6 +139,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     std::vector<int64_t> rows;  // element offset of each context token's (K or V) row
+    std::vector<int64_t> srows;  // int8 caches: index of each token's scale (slot * Hkv + h)
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t s = item / (num_kv_heads * parts);
       const int64_t h = item / parts % num_kv_heads;
@@ -149,11 +161,15 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         const int64_t base = tables[s * table_stride + block] * block_stride + h * head_dim;
         for (; t < t_end && t / block_size == block; ++t) rows[t - t_begin] = base + (t % block_size) * slot_stride;
       }
+      if (k_scale != nullptr) {
+        srows.resize(rows.size());
+        for (size_t i = 0; i < rows.size(); ++i) srows[i] = rows[i] / head_dim;  // slot * Hkv + h
+      }
       scores.resize(t_end - t_begin + 8);
       for (int64_t j = 0; j < group; ++j) {
         const float* qj = q + (s * num_heads + h * group + j) * head_dim;
         attend_part(qj, k_cache, v_cache, rows.data(), t_end - t_begin, head_dim, scale, scores.data(), m + j, l + j,
-                    o + j * head_dim);
+                    o + j * head_dim, k_scale, v_scale, srows.data());
       }
     }
   });
@@ -180,18 +196,29 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   }
 }
 
-// decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size.
-void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
-                int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale, float* out) {
+// decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size. int8
+// caches come with their fp16 scales (blocks, block_size, Hkv); plain ones with undefined ones.
+void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
+                const at::Tensor& v_scale, const int32_t* tables, int64_t table_stride, const int32_t* lens,
+                int64_t num_seqs, int64_t num_heads, float scale, float* out) {
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
-  const auto run = [&](auto* k, auto* v) {
-    decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out);
+  const auto run = [&](auto* k, auto* v, const c10::Half* ks = nullptr, const c10::Half* vs = nullptr) {
+    decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+           ks, vs);
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
     case at::kBFloat16: run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>()); break;
     case at::kHalf: run(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "plain caches only (fp32, bf16, fp16), got ", k_cache.scalar_type());
+    case at::kChar:
+      TORCH_CHECK(k_scale.defined() && v_scale.defined() && k_scale.scalar_type() == at::kHalf &&
+                      v_scale.scalar_type() == at::kHalf && k_scale.is_contiguous() && v_scale.is_contiguous() &&
+                      k_scale.numel() * head_dim == k_cache.numel() && v_scale.numel() * head_dim == v_cache.numel(),
+                  "int8 caches need contiguous fp16 scales of shape (blocks, block_size, Hkv)");
+      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale.data_ptr<c10::Half>(),
+          v_scale.data_ptr<c10::Half>());
+      break;
+    default: TORCH_CHECK(false, "caches must be fp32, bf16, fp16 or int8 with scales, got ", k_cache.scalar_type());
   }
 }
 
@@ -217,17 +244,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(len_ptr[s] <= tables.size(1) * block_size, "context_lens[", s, "] exceeds its block table");
   }
   at::Tensor out = at::zeros_like(q);
-  decode_any(q.data_ptr<float>(), k_cache, v_cache, tables.data_ptr<int32_t>(), tables.size(1), len_ptr, num_seqs,
-             num_heads, static_cast<float>(scale), out.data_ptr<float>());
+  TORCH_CHECK(k_cache.scalar_type() != at::kChar, "this op reads plain caches (fp32, bf16, fp16)");
+  decode_any(q.data_ptr<float>(), k_cache, v_cache, at::Tensor(), at::Tensor(), tables.data_ptr<int32_t>(),
+             tables.size(1), len_ptr, num_seqs, num_heads, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
 
 void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                     const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
-                                     int64_t num_heads, float scale, float* out) {
-  decode_any(q, k_cache, v_cache, tables, table_stride, lens, num_seqs, num_heads, scale, out);
+                                     const at::Tensor& k_scale, const at::Tensor& v_scale, const int32_t* tables,
+                                     int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads,
+                                     float scale, float* out) {
+  decode_any(q, k_cache, v_cache, k_scale, v_scale, tables, table_stride, lens, num_seqs, num_heads, scale, out);
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

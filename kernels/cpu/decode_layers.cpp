@@ -1,7 +1,8 @@
 // Every transformer layer of one decode step in a single call, for AVX2 CPUs.
 //
 // Op torch.ops.edgeinfer_cpu.decode_layers; edgeinfer.models.llama calls it for decode steps on
-// the CPU fast path (int4 linears, plain KV caches) and its own per-op forward is the reference.
+// the CPU fast path (int4 linears; plain KV caches, or int8 ones: K/V rotated, keys centred,
+// then quantized per token and head) and its own per-op forward is the reference.
 // Per layer: RMSNorm, QKV (int4 GEMM), RoPE, the K/V write into the paged pool, attention, the
 // output projection and residual, RMSNorm, gate/up, SiLU * up, down and residual: the same
 // arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
@@ -17,6 +18,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "ops.h"
@@ -77,6 +80,40 @@ void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
   }
 }
 
+// x (heads vectors of head_dim) = x @ r for an orthonormal (head_dim, head_dim) r, in place: the
+// rotation quantized caches hold K and V in (kernels.kv_quant.kv_rotation).
+void rotate(float* x, int64_t heads, int64_t head_dim, const float* r) {
+  float out[512];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = x + h * head_dim;
+    std::fill_n(out, head_dim, 0.0f);
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const float vi = v[i];
+      const float* ri = r + i * head_dim;
+      for (int64_t j = 0; j < head_dim; ++j) out[j] += vi * ri[j];
+    }
+    std::copy(out, out + head_dim, v);
+  }
+}
+
+// One token's heads as int8 codes with an fp16 scale each, as kernels.kv_quant.quantize_kv:
+// scale = max|x| / 127 (at least 1e-6) rounded to fp16, code = x / scale rounded half away from
+// zero, clamped to +-127.
+void quantize_int8(const float* x, int64_t heads, int64_t head_dim, int8_t* codes, c10::Half* scales) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* v = x + h * head_dim;
+    float top = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) top = std::max(top, std::abs(v[d]));
+    const c10::Half s16(std::max(top / 127.0f, 1e-6f));
+    const float s = static_cast<float>(s16);
+    scales[h] = s16;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float a = std::floor(std::abs(v[d] / s) + 0.5f);
+      codes[h * head_dim + d] = static_cast<int8_t>(std::copysign(std::min(a, 127.0f), v[d]));
+    }
+  }
+}
+
 void add_into(float* h, const float* y, int64_t count) {
   for (int64_t i = 0; i < count; ++i) h[i] += y[i];
 }
@@ -98,7 +135,9 @@ void check_linear(const at::TensorList& w, int64_t at, int64_t n, int64_t k, int
 void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, const at::Tensor& cos_table,
                    const at::Tensor& sin_table, const at::Tensor& positions_in, at::TensorList k_caches,
                    at::TensorList v_caches, const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
-                   const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps) {
+                   const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
+                   at::TensorList k_scales, at::TensorList v_scales, const c10::optional<at::Tensor>& rotation,
+                   const c10::optional<at::Tensor>& key_centres) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -117,6 +156,34 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
     TORCH_CHECK(kc.sizes() == k0.sizes() && vc.sizes() == k0.sizes() && kc.scalar_type() == vc.scalar_type() &&
                     kc.is_contiguous() && vc.is_contiguous(),
                 "every layer's K and V caches must be contiguous, of one shape and dtype");
+  }
+  // int8 caches: K and V rotated (and keys centred, where measured) before they are quantized,
+  // q rotated alike and the attention output turned back, as the per-op forward does.
+  const bool int8 = k0.scalar_type() == at::kChar;
+  std::vector<float> rot_t;
+  if (int8) {
+    TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == layers && static_cast<int64_t>(v_scales.size()) == layers,
+                "int8 caches need one K and one V scale tensor per layer");
+    for (int64_t l = 0; l < layers; ++l) {
+      for (const at::Tensor& sc : {k_scales[l], v_scales[l]}) {
+        TORCH_CHECK(sc.scalar_type() == at::kHalf && sc.is_contiguous() && sc.numel() * head_dim == k0.numel(),
+                    "int8 cache scales must be contiguous fp16 (blocks, block_size, Hkv)");
+      }
+    }
+    TORCH_CHECK(rotation.has_value() && rotation->scalar_type() == at::kFloat && rotation->is_contiguous() &&
+                    rotation->dim() == 2 && rotation->size(0) == head_dim && rotation->size(1) == head_dim,
+                "int8 caches need the contiguous fp32 (head_dim, head_dim) KV rotation");
+    TORCH_CHECK(!key_centres.has_value() ||
+                    (key_centres->scalar_type() == at::kFloat && key_centres->is_contiguous() &&
+                     key_centres->numel() == layers * num_kv_heads * head_dim),
+                "key centres must be contiguous fp32 (layers, Hkv, head_dim)");
+    const float* r = rotation->data_ptr<float>();
+    rot_t.resize(head_dim * head_dim);
+    for (int64_t i = 0; i < head_dim; ++i) {
+      for (int64_t j = 0; j < head_dim; ++j) rot_t[j * head_dim + i] = r[i * head_dim + j];
+    }
+  } else {
+    TORCH_CHECK(k_scales.empty() && v_scales.empty(), "plain caches take no scales");
   }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
@@ -169,13 +236,32 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
         float* row = qkv.data() + t * qkv_size;
         rope(row, num_heads + num_kv_heads, head_dim, cos_table.data_ptr<float>() + pos[t] * head_dim,
              sin_table.data_ptr<float>() + pos[t] * head_dim);
-        write_kv(row + q_size, kv_size, k_cache, slot[t]);
-        write_kv(row + q_size + kv_size, kv_size, v_cache, slot[t]);
+        if (int8) {
+          float* keys = row + q_size;
+          if (key_centres.has_value()) {
+            const float* centre = key_centres->data_ptr<float>() + l * kv_size;
+            for (int64_t i = 0; i < kv_size; ++i) keys[i] -= centre[i];
+          }
+          rotate(row, num_heads + 2 * num_kv_heads, head_dim, rotation->data_ptr<float>());  // q, k and v
+          quantize_int8(keys, num_kv_heads, head_dim, k_cache.data_ptr<int8_t>() + slot[t] * kv_size,
+                        k_scales[l].data_ptr<c10::Half>() + slot[t] * num_kv_heads);
+          quantize_int8(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<int8_t>() + slot[t] * kv_size,
+                        v_scales[l].data_ptr<c10::Half>() + slot[t] * num_kv_heads);
+        } else {
+          write_kv(row + q_size, kv_size, k_cache, slot[t]);
+          write_kv(row + q_size + kv_size, kv_size, v_cache, slot[t]);
+        }
         std::copy(row, row + q_size, q.data() + t * q_size);
       }
     });
-    edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, tables.data_ptr<int32_t>(), tables.size(1), len, m,
-                                    num_heads, static_cast<float>(scale), attn.data());
+    edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, int8 ? k_scales[l] : at::Tensor(),
+                                    int8 ? v_scales[l] : at::Tensor(), tables.data_ptr<int32_t>(), tables.size(1), len,
+                                    m, num_heads, static_cast<float>(scale), attn.data());
+    if (int8) {
+      at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
+      });
+    }
     edgeinfer_cpu::int4_gemm_rows(attn.data(), m, w[4], w[5], w[6], group_size, y.data());
     add_into(hp, y.data(), m * hidden);
     edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
@@ -193,7 +279,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] weights, int group_size, Tensor cos, Tensor signed_sin, "
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, float scale, float eps) -> ()");
+        "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
+        "Tensor? rotation, Tensor? key_centres) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -15,9 +15,10 @@ void int4_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Te
 // rms_norm.cpp: out = x / sqrt(mean(x^2) + eps) * weight, row by row.
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t hidden, float eps, float* out);
 
-// attention.cpp: out (S, Hq, D) for q (S, Hq, D) over plain caches (blocks, block_size, Hkv, D).
-void decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* tables,
-                      int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale,
-                      float* out);
+// attention.cpp: out (S, Hq, D) for q (S, Hq, D) over caches (blocks, block_size, Hkv, D): plain
+// (scales undefined) or int8 with fp16 scales (blocks, block_size, Hkv).
+void decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
+                      const at::Tensor& v_scale, const int32_t* tables, int64_t table_stride, const int32_t* lens,
+                      int64_t num_seqs, int64_t num_heads, float scale, float* out);
 
 }  // namespace edgeinfer_cpu
