@@ -148,17 +148,20 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], group_size: int,
                   v_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, num_heads: int, scale: float, eps: float,
                   k_scales: Sequence[torch.Tensor] = (), v_scales: Sequence[torch.Tensor] = (),
+                  k_zeros: Sequence[torch.Tensor] = (), v_zeros: Sequence[torch.Tensor] = (),
                   rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None) -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
-    into its cache: plain, or int8 with ``k_scales`` / ``v_scales`` (fp16 per token and head),
-    K and V rotated by ``rotation`` and keys less ``key_centres`` (layers, Hkv, D) first.
+    into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
+    ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
+    keys less ``key_centres`` (layers, Hkv, D) first.
     ``weights``: 14 per layer (``decode_layer_weights``): the input norm, (packed, scales, mins)
     of QKV and of the output projection, the post-attention norm, then (packed, scales, mins) of
     gate/up and of down; ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the
     sine's first half negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, group_size, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
-                                          list(k_scales), list(v_scales), rotation, key_centres)
+                                          list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
+                                          key_centres)
 
 
 def decode_layer_weights(input_norm: torch.Tensor, qkv: CpuInt4Weight, o: CpuInt4Weight, post_norm: torch.Tensor,

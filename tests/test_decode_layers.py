@@ -15,6 +15,7 @@ from edgeinfer.models.llama import LlamaModel
 from edgeinfer.synthetic import synthetic_model
 from kernels import cpu_ops
 from kernels.kv_pool import KVPool
+from quant.formats import unpack_int4
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the AVX2 CPU ops do not build here")
 
@@ -42,11 +43,11 @@ def _prefilled(model: LlamaModel, kv_dtype: str, prompts: list[list[int]],
     return pool
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "int8", "int4"])
 def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(0)
-    if kv_dtype == "int8":  # keys centred as after calibration (then rotated and quantized)
+    if kv_dtype in ("int8", "int4"):  # keys centred as after calibration (then rotated and quantized)
         c = model.config
         monkeypatch.setattr(model, "_key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
     lengths = (1, 6, 13)  # contexts that end mid-block, one a single token
@@ -54,8 +55,8 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
     tables = [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]  # scattered, out of order, room for decode
     # Where the two paths differ in the last bits (below), a bf16 / fp16 cache may round a value
     # one step apart: tolerances are the cache dtype's resolution, 1e-4 for fp32.
-    # int8: a value within a rounding step of a code boundary may take the neighbouring code.
-    tol = 1 / 127 if kv_dtype == "int8" else \
+    # Quantized: a value within a rounding step of a code boundary may take the neighbouring code.
+    tol = {"int8": 1 / 127, "int4": 1 / 15}.get(kv_dtype) or \
         max(1e-4, torch.finfo({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[kv_dtype]).eps)
     fused_pool = _prefilled(model, kv_dtype, prompts, tables)
     reference_pool = copy.deepcopy(fused_pool)
@@ -77,10 +78,13 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
     for fused_cache, reference_cache in zip(fused_pool.k_caches + fused_pool.v_caches,
                                             reference_pool.k_caches + reference_pool.v_caches, strict=True):
         expected = reference_cache.data.float()
-        if kv_dtype == "int8":  # codes within one step, nearly all equal; scales to fp16 rounding
-            assert (fused_cache.data.int() - reference_cache.data.int()).abs().max() <= 1
-            assert (fused_cache.data != reference_cache.data).float().mean() < 0.01
-            torch.testing.assert_close(fused_cache.scale.float(), reference_cache.scale.float(), rtol=1e-3, atol=0)
+        if kv_dtype in ("int8", "int4"):  # codes within one step, nearly all equal; scales to fp16 rounding
+            codes = [unpack_int4(c.data) if kv_dtype == "int4" else c.data for c in (fused_cache, reference_cache)]
+            assert (codes[0].int() - codes[1].int()).abs().max() <= 1
+            assert (codes[0] != codes[1]).float().mean() < 0.01
+            for name in ("scale", "zero") if kv_dtype == "int4" else ("scale",):
+                torch.testing.assert_close(getattr(fused_cache, name).float(), getattr(reference_cache, name).float(),
+                                           rtol=1e-3, atol=1e-3 * getattr(reference_cache, name).abs().max().item())
             continue
         torch.testing.assert_close(fused_cache.data.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 

@@ -73,8 +73,9 @@ HEAD_REFINE_ROWS = 64
 # kernels.dispatch), and the per-op forward it replaces cost 2x at 48 sequences (394 vs 191 ms
 # per step); larger batches were not measured.
 FUSED_DECODE_MAX_SEQS = 128
-# KV formats the fused step writes and reads (K and V alike); int4 caches take the per-op forward.
-FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8")
+# KV formats the fused step writes and reads (K and V in one format; mixed ones take the per-op
+# forward).
+FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
 
 
 class LlamaModel:
@@ -239,14 +240,19 @@ class LlamaModel:
     def _fused_decode(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
         c = self.config
         h = self.embed_tokens(token_ids).contiguous()
-        int8 = kv.k_dtype == "int8"  # then K and V both (FUSED_KV_DTYPES)
+        quantized = kv.k_dtype not in PLAIN_DTYPES  # then K and V both (FUSED_KV_DTYPES)
+        params = {}
+        if quantized:
+            params = {"k_scales": [cache.scale for cache in kv.k_caches],
+                      "v_scales": [cache.scale for cache in kv.v_caches],
+                      "rotation": self._kv_rotation, "key_centres": self._key_centres}
+        if kv.k_dtype == "int4":
+            params |= {"k_zeros": [cache.zero for cache in kv.k_caches],
+                       "v_zeros": [cache.zero for cache in kv.v_caches]}
         cpu_ops.decode_layers(
             h, self._decode_weights, self._decode_group, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
-            batch.block_tables, batch.context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps,
-            k_scales=[cache.scale for cache in kv.k_caches] if int8 else [],
-            v_scales=[cache.scale for cache in kv.v_caches] if int8 else [],
-            rotation=self._kv_rotation if int8 else None, key_centres=self._key_centres if int8 else None,
+            batch.block_tables, batch.context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps, **params,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.norm))
 

@@ -1,5 +1,6 @@
-// Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16) or int8 ones with
-// a scale per token and head (for decode_layers), for AVX2 CPUs.
+// Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16) or, for
+// decode_layers, quantized ones (int8 with a scale per token and head, int4 with a scale and
+// zero per 32 channels), for AVX2 CPUs.
 //
 // Op torch.ops.edgeinfer_cpu.paged_decode_attention; kernels.paged_attention calls it on the
 // CPU and its torch path is the reference. One query token per sequence, q head h reads KV head
@@ -16,6 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -53,35 +57,22 @@ void weighted_values(const float* p, const T* v_cache, const int64_t* rows, int6
   for (int i = 0; i < W; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_add_ps(even[i], odd[i]), iv));
 }
 
-// One query head against `len` cached tokens (their K/V row offsets in `rows`): the largest
-// score, the sum of exp(score - max) and the unnormalised value sum o (head_dim floats).
-// `scores` must hold len + 8 floats.
-// int8 caches: k_scale / v_scale are the caches' fp16 scales and srows each token's index into
-// them; a key's scale multiplies its score, a value's its softmax weight (after the sum l).
-template <typename T>
-void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
-                 int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, float* o,
-                 const c10::Half* k_scale = nullptr, const c10::Half* v_scale = nullptr, const int64_t* srows = nullptr) {
-  // Four keys at a time: four independent FMA chains instead of one serial chain per key.
+// The fp16 scales (and int4 zeros) of quantized caches, null for plain ones. int8: one scale per
+// (token, head), at srow = slot * Hkv + h; int4: a scale and a zero per 32 channels of each
+// (token, head), at srow * head_dim / 32.
+struct KvScales {
+  const c10::Half* k_scale = nullptr;
+  const c10::Half* v_scale = nullptr;
+  const c10::Half* k_zero = nullptr;
+  const c10::Half* v_zero = nullptr;
+};
+
+// scores[0, len) -> exp(score - max) in place; returns the sum, the max in *m_out. `scores` must
+// hold len + 8 floats.
+float softmax_numerators(float* scores, int64_t len, float* m_out) {
   int64_t t = 0;
-  for (; t + 4 <= len; t += 4) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(qj + d);
-      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(load8(k_cache + rows[t + i] + d), qv, acc[i]);
-    }
-    for (int i = 0; i < 4; ++i) scores[t + i] = hsum(acc[i]) * scale;
-  }
-  for (; t < len; ++t) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(load8(k_cache + rows[t] + d), _mm256_loadu_ps(qj + d), acc);
-    scores[t] = hsum(acc) * scale;
-  }
-  if (k_scale != nullptr) {
-    for (t = 0; t < len; ++t) scores[t] *= static_cast<float>(k_scale[srows[t]]);
-  }
   __m256 mv = _mm256_set1_ps(scores[0]);
-  for (t = 0; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scores + t));
+  for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scores + t));
   float m = hmax(mv);
   for (; t < len; ++t) m = std::max(m, scores[t]);
   mv = _mm256_set1_ps(m);
@@ -102,9 +93,38 @@ void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int6
     }
   }
   *m_out = m;
-  *l_out = sum;
-  if (v_scale != nullptr) {
-    for (t = 0; t < len; ++t) scores[t] *= static_cast<float>(v_scale[srows[t]]);
+  return sum;
+}
+
+// One query head against `len` cached tokens (their K/V row offsets in `rows`, scale indices in
+// `srows`): the largest score, the sum of exp(score - max) and the unnormalised value sum o
+// (head_dim floats). `scores` must hold len + 8 floats. int8 caches: a key's scale multiplies
+// its score, a value's its softmax weight (after the sum l).
+template <typename T>
+void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int64_t* rows, const int64_t* srows,
+                 int64_t len, int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, float* o,
+                 const KvScales& sc) {
+  // Four keys at a time: four independent FMA chains instead of one serial chain per key.
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qj + d);
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(load8(k_cache + rows[t + i] + d), qv, acc[i]);
+    }
+    for (int i = 0; i < 4; ++i) scores[t + i] = hsum(acc[i]) * scale;
+  }
+  for (; t < len; ++t) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(load8(k_cache + rows[t] + d), _mm256_loadu_ps(qj + d), acc);
+    scores[t] = hsum(acc) * scale;
+  }
+  if (sc.k_scale != nullptr) {
+    for (t = 0; t < len; ++t) scores[t] *= static_cast<float>(sc.k_scale[srows[t]]);
+  }
+  *l_out = softmax_numerators(scores, len, m_out);
+  if (sc.v_scale != nullptr) {
+    for (t = 0; t < len; ++t) scores[t] *= static_cast<float>(sc.v_scale[srows[t]]);
   }
   for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
     switch (std::min<int64_t>(32, head_dim - d0) / 8) {
@@ -116,13 +136,64 @@ void attend_part(const float* qj, const T* k_cache, const T* v_cache, const int6
   }
 }
 
+// 8 int4 codes (4 bytes: channel 2i in the low nibble of byte i, 2i + 1 in the high) as floats.
+inline __m256 unpack8_int4(const uint8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i bytes = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word));
+  const __m128i low = _mm_and_si128(bytes, _mm_set1_epi32(0x0F)), high = _mm_srli_epi32(bytes, 4);
+  return _mm256_cvtepi32_ps(_mm256_set_m128i(_mm_unpackhi_epi32(low, high), _mm_unpacklo_epi32(low, high)));
+}
+
+// attend_part for int4 caches: x = code * scale + zero per 32 channels, so a key's score is
+// sum_g (scale_g q_g . codes_g + zero_g sum(q_g)), and a value adds p * scale_g * codes_g to o
+// and p * zero_g to the group's channels (summed over tokens first).
+void attend_part_int4(const float* qj, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* srows,
+                      int64_t len, int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, float* o,
+                      const KvScales& sc) {
+  const int64_t groups = head_dim / 32, row_bytes = head_dim / 2;
+  float q_sum[16], zero_sum[16] = {};  // head_dim <= 512
+  for (int64_t g = 0; g < groups; ++g) q_sum[g] = hsum(_mm256_add_ps(
+      _mm256_add_ps(_mm256_loadu_ps(qj + 32 * g), _mm256_loadu_ps(qj + 32 * g + 8)),
+      _mm256_add_ps(_mm256_loadu_ps(qj + 32 * g + 16), _mm256_loadu_ps(qj + 32 * g + 24))));
+  for (int64_t t = 0; t < len; ++t) {
+    const uint8_t* key = k_cache + srows[t] * row_bytes;
+    const c10::Half* ks = sc.k_scale + srows[t] * groups;
+    const c10::Half* kz = sc.k_zero + srows[t] * groups;
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc = _mm256_mul_ps(unpack8_int4(key + 16 * g), _mm256_loadu_ps(qj + 32 * g));
+      for (int i = 1; i < 4; ++i) acc = _mm256_fmadd_ps(unpack8_int4(key + 16 * g + 4 * i), _mm256_loadu_ps(qj + 32 * g + 8 * i), acc);
+      total += static_cast<float>(ks[g]) * hsum(acc) + static_cast<float>(kz[g]) * q_sum[g];
+    }
+    scores[t] = total * scale;
+  }
+  *l_out = softmax_numerators(scores, len, m_out);
+  std::fill_n(o, head_dim, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const uint8_t* value = v_cache + srows[t] * row_bytes;
+    const c10::Half* vs = sc.v_scale + srows[t] * groups;
+    const c10::Half* vz = sc.v_zero + srows[t] * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 w = _mm256_set1_ps(scores[t] * static_cast<float>(vs[g]));
+      zero_sum[g] += scores[t] * static_cast<float>(vz[g]);
+      for (int i = 0; i < 4; ++i) {
+        float* dst = o + 32 * g + 8 * i;
+        _mm256_storeu_ps(dst, _mm256_fmadd_ps(w, unpack8_int4(value + 16 * g + 4 * i), _mm256_loadu_ps(dst)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t d = 32 * g; d < 32 * (g + 1); ++d) o[d] += zero_sum[g];
+  }
+}
+
 constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not worth its merge
 
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, float scale, float* out, const c10::Half* k_scale = nullptr,
-            const c10::Half* v_scale = nullptr) {
+            int64_t block_size, float scale, float* out, const KvScales& sc = {}) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
@@ -161,15 +232,20 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         const int64_t base = tables[s * table_stride + block] * block_stride + h * head_dim;
         for (; t < t_end && t / block_size == block; ++t) rows[t - t_begin] = base + (t % block_size) * slot_stride;
       }
-      if (k_scale != nullptr) {
+      if (sc.k_scale != nullptr) {
         srows.resize(rows.size());
         for (size_t i = 0; i < rows.size(); ++i) srows[i] = rows[i] / head_dim;  // slot * Hkv + h
       }
       scores.resize(t_end - t_begin + 8);
       for (int64_t j = 0; j < group; ++j) {
         const float* qj = q + (s * num_heads + h * group + j) * head_dim;
-        attend_part(qj, k_cache, v_cache, rows.data(), t_end - t_begin, head_dim, scale, scores.data(), m + j, l + j,
-                    o + j * head_dim, k_scale, v_scale, srows.data());
+        if constexpr (std::is_same_v<T, uint8_t>) {  // int4 codes, two per byte
+          attend_part_int4(qj, k_cache, v_cache, srows.data(), t_end - t_begin, head_dim, scale, scores.data(), m + j,
+                           l + j, o + j * head_dim, sc);
+        } else {
+          attend_part(qj, k_cache, v_cache, rows.data(), srows.data(), t_end - t_begin, head_dim, scale, scores.data(),
+                      m + j, l + j, o + j * head_dim, sc);
+        }
       }
     }
   });
@@ -196,29 +272,44 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   }
 }
 
-// decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size. int8
-// caches come with their fp16 scales (blocks, block_size, Hkv); plain ones with undefined ones.
+// decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size. int8 caches
+// come with their fp16 scales (blocks, block_size, Hkv), int4 ones (two codes per byte) with
+// scales and zeros (blocks, block_size, Hkv, D / 32); plain ones with undefined tensors.
 void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
-                const at::Tensor& v_scale, const int32_t* tables, int64_t table_stride, const int32_t* lens,
-                int64_t num_seqs, int64_t num_heads, float scale, float* out) {
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
-  const auto run = [&](auto* k, auto* v, const c10::Half* ks = nullptr, const c10::Half* vs = nullptr) {
-    decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-           ks, vs);
+                const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero, const int32_t* tables,
+                int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale,
+                float* out) {
+  const bool int4 = k_cache.scalar_type() == at::kByte;
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t head_dim = int4 ? 2 * k_cache.size(3) : k_cache.size(3);
+  const auto run = [&](auto* k, auto* v, const KvScales& sc = {}) {
+    decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, sc);
+  };
+  const auto check_params = [&](std::initializer_list<const at::Tensor*> params, int64_t per_token_head) {
+    for (const at::Tensor* t : params) {
+      TORCH_CHECK(t->defined() && t->scalar_type() == at::kHalf && t->is_contiguous() &&
+                      t->numel() == k_cache.size(0) * block_size * num_kv_heads * per_token_head,
+                  "quantized caches need contiguous fp16 scales (and int4 zeros), ", per_token_head,
+                  " per token and head");
+    }
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
     case at::kBFloat16: run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>()); break;
     case at::kHalf: run(k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>()); break;
     case at::kChar:
-      TORCH_CHECK(k_scale.defined() && v_scale.defined() && k_scale.scalar_type() == at::kHalf &&
-                      v_scale.scalar_type() == at::kHalf && k_scale.is_contiguous() && v_scale.is_contiguous() &&
-                      k_scale.numel() * head_dim == k_cache.numel() && v_scale.numel() * head_dim == v_cache.numel(),
-                  "int8 caches need contiguous fp16 scales of shape (blocks, block_size, Hkv)");
-      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale.data_ptr<c10::Half>(),
-          v_scale.data_ptr<c10::Half>());
+      check_params({&k_scale, &v_scale}, 1);
+      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+          {k_scale.data_ptr<c10::Half>(), v_scale.data_ptr<c10::Half>()});
       break;
-    default: TORCH_CHECK(false, "caches must be fp32, bf16, fp16 or int8 with scales, got ", k_cache.scalar_type());
+    case at::kByte:
+      TORCH_CHECK(head_dim % 32 == 0 && head_dim <= 512, "int4 caches need head_dim a multiple of 32 (<= 512)");
+      check_params({&k_scale, &v_scale, &k_zero, &v_zero}, head_dim / 32);
+      run(k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+          {k_scale.data_ptr<c10::Half>(), v_scale.data_ptr<c10::Half>(), k_zero.data_ptr<c10::Half>(),
+           v_zero.data_ptr<c10::Half>()});
+      break;
+    default: TORCH_CHECK(false, "caches must be fp32, bf16, fp16, int8 or int4 (uint8), got ", k_cache.scalar_type());
   }
 }
 
@@ -244,19 +335,21 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(len_ptr[s] <= tables.size(1) * block_size, "context_lens[", s, "] exceeds its block table");
   }
   at::Tensor out = at::zeros_like(q);
-  TORCH_CHECK(k_cache.scalar_type() != at::kChar, "this op reads plain caches (fp32, bf16, fp16)");
-  decode_any(q.data_ptr<float>(), k_cache, v_cache, at::Tensor(), at::Tensor(), tables.data_ptr<int32_t>(),
-             tables.size(1), len_ptr, num_seqs, num_heads, static_cast<float>(scale), out.data_ptr<float>());
+  TORCH_CHECK(k_cache.is_floating_point(), "this op reads plain caches (fp32, bf16, fp16)");
+  decode_any(q.data_ptr<float>(), k_cache, v_cache, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+             tables.data_ptr<int32_t>(), tables.size(1), len_ptr, num_seqs, num_heads, static_cast<float>(scale),
+             out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
 
 void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                     const at::Tensor& k_scale, const at::Tensor& v_scale, const int32_t* tables,
-                                     int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads,
-                                     float scale, float* out) {
-  decode_any(q, k_cache, v_cache, k_scale, v_scale, tables, table_stride, lens, num_seqs, num_heads, scale, out);
+                                     const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& k_zero,
+                                     const at::Tensor& v_zero, const int32_t* tables, int64_t table_stride,
+                                     const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale, float* out) {
+  decode_any(q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, tables, table_stride, lens, num_seqs, num_heads,
+             scale, out);
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

@@ -1,8 +1,8 @@
 // Every transformer layer of one decode step in a single call, for AVX2 CPUs.
 //
 // Op torch.ops.edgeinfer_cpu.decode_layers; edgeinfer.models.llama calls it for decode steps on
-// the CPU fast path (int4 linears; plain KV caches, or int8 ones: K/V rotated, keys centred,
-// then quantized per token and head) and its own per-op forward is the reference.
+// the CPU fast path (int4 linears; plain KV caches, or int8 / int4 ones: K/V rotated, keys
+// centred, then quantized) and its own per-op forward is the reference.
 // Per layer: RMSNorm, QKV (int4 GEMM), RoPE, the K/V write into the paged pool, attention, the
 // output projection and residual, RMSNorm, gate/up, SiLU * up, down and residual: the same
 // arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
@@ -114,6 +114,32 @@ void quantize_int8(const float* x, int64_t heads, int64_t head_dim, int8_t* code
   }
 }
 
+// One token's heads as int4 codes (two a byte, even channel in the low nibble) with an fp16 scale
+// and zero per 32 channels, as kernels.kv_quant.quantize_kv: zero = the group's min rounded to
+// fp16, scale = (max - zero) / 15 (at least 1e-6) rounded to fp16, code = (x - zero) / scale
+// rounded half away from zero, clamped to [0, 15].
+void quantize_int4(const float* x, int64_t heads, int64_t head_dim, uint8_t* codes, c10::Half* scales,
+                   c10::Half* zeros) {
+  for (int64_t g = 0; g < heads * head_dim / 32; ++g) {
+    const float* v = x + 32 * g;
+    float lo = v[0], hi = v[0];
+    for (int d = 1; d < 32; ++d) lo = std::min(lo, v[d]), hi = std::max(hi, v[d]);
+    const c10::Half z16(lo);
+    const float zero = static_cast<float>(z16);
+    const c10::Half s16(std::max((hi - zero) / 15.0f, 1e-6f));
+    const float s = static_cast<float>(s16);
+    zeros[g] = z16;
+    scales[g] = s16;
+    for (int d = 0; d < 32; d += 2) {
+      const auto code = [&](float value) {  // (value - zero) / s >= 0 up to zero's rounding
+        const float a = (value - zero) / s;
+        return static_cast<uint8_t>(std::clamp(std::copysign(std::floor(std::abs(a) + 0.5f), a), 0.0f, 15.0f));
+      };
+      codes[16 * g + d / 2] = static_cast<uint8_t>(code(v[d]) | (code(v[d + 1]) << 4));
+    }
+  }
+}
+
 void add_into(float* h, const float* y, int64_t count) {
   for (int64_t i = 0; i < count; ++i) h[i] += y[i];
 }
@@ -136,8 +162,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
                    const at::Tensor& sin_table, const at::Tensor& positions_in, at::TensorList k_caches,
                    at::TensorList v_caches, const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
                    const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
-                   at::TensorList k_scales, at::TensorList v_scales, const c10::optional<at::Tensor>& rotation,
-                   const c10::optional<at::Tensor>& key_centres) {
+                   at::TensorList k_scales, at::TensorList v_scales, at::TensorList k_zeros, at::TensorList v_zeros,
+                   const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -147,7 +173,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
   const int64_t m = h.size(0), hidden = h.size(1);
   const at::Tensor& k0 = k_caches[0];
   TORCH_CHECK(k0.dim() == 4, "caches must be (blocks, block_size, Hkv, D)");
-  const int64_t num_kv_heads = k0.size(2), head_dim = k0.size(3);
+  const bool int8 = k0.scalar_type() == at::kChar, int4 = k0.scalar_type() == at::kByte;  // int4: two codes a byte
+  const int64_t num_kv_heads = k0.size(2), head_dim = int4 ? 2 * k0.size(3) : k0.size(3);
   TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 512 && num_heads % num_kv_heads == 0,
               "head_dim must be a multiple of 8 (<= 512) and Hq a multiple of Hkv");
   for (int64_t l = 0; l < layers; ++l) {
@@ -157,22 +184,28 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
                     kc.is_contiguous() && vc.is_contiguous(),
                 "every layer's K and V caches must be contiguous, of one shape and dtype");
   }
-  // int8 caches: K and V rotated (and keys centred, where measured) before they are quantized,
-  // q rotated alike and the attention output turned back, as the per-op forward does.
-  const bool int8 = k0.scalar_type() == at::kChar;
+  // Quantized caches: K and V rotated (and keys centred, where measured) before they are
+  // quantized, q rotated alike and the attention output turned back, as the per-op forward does.
+  const bool quantized = int8 || int4;
+  const int64_t params_per_head = int4 ? head_dim / 32 : 1;  // scales (and int4 zeros) per token and head
   std::vector<float> rot_t;
-  if (int8) {
-    TORCH_CHECK(static_cast<int64_t>(k_scales.size()) == layers && static_cast<int64_t>(v_scales.size()) == layers,
-                "int8 caches need one K and one V scale tensor per layer");
+  if (quantized) {
+    TORCH_CHECK(!int4 || head_dim % 32 == 0, "int4 caches need head_dim a multiple of 32");
+    const size_t n = static_cast<size_t>(layers);
+    TORCH_CHECK(k_scales.size() == n && v_scales.size() == n && (int4 ? k_zeros.size() == n && v_zeros.size() == n
+                                                                      : k_zeros.empty() && v_zeros.empty()),
+                "quantized caches need one K and one V scale tensor per layer (int4: and zeros)");
+    const int64_t want = k0.size(0) * k0.size(1) * num_kv_heads * params_per_head;
     for (int64_t l = 0; l < layers; ++l) {
-      for (const at::Tensor& sc : {k_scales[l], v_scales[l]}) {
-        TORCH_CHECK(sc.scalar_type() == at::kHalf && sc.is_contiguous() && sc.numel() * head_dim == k0.numel(),
-                    "int8 cache scales must be contiguous fp16 (blocks, block_size, Hkv)");
+      for (const at::TensorList& list : {k_scales, v_scales, k_zeros, v_zeros}) {
+        if (list.empty()) continue;
+        TORCH_CHECK(list[l].scalar_type() == at::kHalf && list[l].is_contiguous() && list[l].numel() == want,
+                    "cache scales (and zeros) must be contiguous fp16, ", params_per_head, " per token and head");
       }
     }
     TORCH_CHECK(rotation.has_value() && rotation->scalar_type() == at::kFloat && rotation->is_contiguous() &&
                     rotation->dim() == 2 && rotation->size(0) == head_dim && rotation->size(1) == head_dim,
-                "int8 caches need the contiguous fp32 (head_dim, head_dim) KV rotation");
+                "quantized caches need the contiguous fp32 (head_dim, head_dim) KV rotation");
     TORCH_CHECK(!key_centres.has_value() ||
                     (key_centres->scalar_type() == at::kFloat && key_centres->is_contiguous() &&
                      key_centres->numel() == layers * num_kv_heads * head_dim),
@@ -183,7 +216,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
       for (int64_t j = 0; j < head_dim; ++j) rot_t[j * head_dim + i] = r[i * head_dim + j];
     }
   } else {
-    TORCH_CHECK(k_scales.empty() && v_scales.empty(), "plain caches take no scales");
+    TORCH_CHECK(k_scales.empty() && v_scales.empty() && k_zeros.empty() && v_zeros.empty(),
+                "plain caches take no scales");
   }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
@@ -236,17 +270,25 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
         float* row = qkv.data() + t * qkv_size;
         rope(row, num_heads + num_kv_heads, head_dim, cos_table.data_ptr<float>() + pos[t] * head_dim,
              sin_table.data_ptr<float>() + pos[t] * head_dim);
-        if (int8) {
+        if (quantized) {
           float* keys = row + q_size;
           if (key_centres.has_value()) {
             const float* centre = key_centres->data_ptr<float>() + l * kv_size;
             for (int64_t i = 0; i < kv_size; ++i) keys[i] -= centre[i];
           }
           rotate(row, num_heads + 2 * num_kv_heads, head_dim, rotation->data_ptr<float>());  // q, k and v
-          quantize_int8(keys, num_kv_heads, head_dim, k_cache.data_ptr<int8_t>() + slot[t] * kv_size,
-                        k_scales[l].data_ptr<c10::Half>() + slot[t] * num_kv_heads);
-          quantize_int8(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<int8_t>() + slot[t] * kv_size,
-                        v_scales[l].data_ptr<c10::Half>() + slot[t] * num_kv_heads);
+          const int64_t at = slot[t] * num_kv_heads * params_per_head;  // the token's first scale
+          if (int8) {
+            quantize_int8(keys, num_kv_heads, head_dim, k_cache.data_ptr<int8_t>() + slot[t] * kv_size,
+                          k_scales[l].data_ptr<c10::Half>() + at);
+            quantize_int8(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<int8_t>() + slot[t] * kv_size,
+                          v_scales[l].data_ptr<c10::Half>() + at);
+          } else {
+            quantize_int4(keys, num_kv_heads, head_dim, k_cache.data_ptr<uint8_t>() + slot[t] * kv_size / 2,
+                          k_scales[l].data_ptr<c10::Half>() + at, k_zeros[l].data_ptr<c10::Half>() + at);
+            quantize_int4(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<uint8_t>() + slot[t] * kv_size / 2,
+                          v_scales[l].data_ptr<c10::Half>() + at, v_zeros[l].data_ptr<c10::Half>() + at);
+          }
         } else {
           write_kv(row + q_size, kv_size, k_cache, slot[t]);
           write_kv(row + q_size + kv_size, kv_size, v_cache, slot[t]);
@@ -254,10 +296,12 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
         std::copy(row, row + q_size, q.data() + t * q_size);
       }
     });
-    edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, int8 ? k_scales[l] : at::Tensor(),
-                                    int8 ? v_scales[l] : at::Tensor(), tables.data_ptr<int32_t>(), tables.size(1), len,
-                                    m, num_heads, static_cast<float>(scale), attn.data());
-    if (int8) {
+    const at::Tensor none;
+    edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
+                                    quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none, int4 ? v_zeros[l] : none,
+                                    tables.data_ptr<int32_t>(), tables.size(1), len, m, num_heads,
+                                    static_cast<float>(scale), attn.data());
+    if (quantized) {
       at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
       });
@@ -280,7 +324,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] weights, int group_size, Tensor cos, Tensor signed_sin, "
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
-        "Tensor? rotation, Tensor? key_centres) -> ()");
+        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -16,9 +16,11 @@ void int4_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Te
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t hidden, float eps, float* out);
 
 // attention.cpp: out (S, Hq, D) for q (S, Hq, D) over caches (blocks, block_size, Hkv, D): plain
-// (scales undefined) or int8 with fp16 scales (blocks, block_size, Hkv).
+// (scales and zeros undefined), int8 with fp16 scales (blocks, block_size, Hkv), or int4 (two
+// codes a byte) with fp16 scales and zeros (blocks, block_size, Hkv, D / 32).
 void decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
-                      const at::Tensor& v_scale, const int32_t* tables, int64_t table_stride, const int32_t* lens,
-                      int64_t num_seqs, int64_t num_heads, float scale, float* out);
+                      const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero,
+                      const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
+                      int64_t num_heads, float scale, float* out);
 
 }  // namespace edgeinfer_cpu
