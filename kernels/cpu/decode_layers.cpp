@@ -174,6 +174,9 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
   const at::Tensor& k0 = k_caches[0];
   TORCH_CHECK(k0.dim() == 4, "caches must be (blocks, block_size, Hkv, D)");
   const bool int8 = k0.scalar_type() == at::kChar, int4 = k0.scalar_type() == at::kByte;  // int4: two codes a byte
+  TORCH_CHECK(int8 || int4 || k0.scalar_type() == at::kFloat || k0.scalar_type() == at::kBFloat16 ||
+                  k0.scalar_type() == at::kHalf,  // checked here: the writes run in a parallel region
+              "caches must be fp32, bf16, fp16, int8 or int4 (uint8), got ", k0.scalar_type());
   const int64_t num_kv_heads = k0.size(2), head_dim = int4 ? 2 * k0.size(3) : k0.size(3);
   TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 512 && num_heads % num_kv_heads == 0,
               "head_dim must be a multiple of 8 (<= 512) and Hq a multiple of Hkv");
