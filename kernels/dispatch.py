@@ -179,21 +179,14 @@ def _prepare_triton(weight: QuantizedTensor, device: torch.device) -> PreparedLi
     if weight.format == "int4":
         from kernels.int4_gemm import prepare_int4
 
-        kernel = prepare_int4(_to_device(weight, device))
+        kernel = prepare_int4(weight.to(device))
     elif weight.format == "int8":
         from kernels.int8_gemm import prepare_int8
 
-        kernel = prepare_int8(_to_device(weight, device))
+        kernel = prepare_int8(weight.to(device))
     else:
-        return PreparedLinear("dequantize", weight.shape, _to_device(weight, device))
+        return PreparedLinear("dequantize", weight.shape, weight.to(device))
     return PreparedLinear("triton", weight.shape, None, kernel=kernel)
-
-
-def _to_device(weight: QuantizedTensor, device: torch.device) -> QuantizedTensor:
-    mins = None if weight.mins is None else weight.mins.to(device)
-    return QuantizedTensor(
-        weight.format, weight.shape, weight.group_size, weight.qweight.to(device), weight.scales.to(device), mins
-    )
 
 
 def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ touches files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,6 +64,11 @@ class QuantizedTensor:
                 )
             if self.mins is None or tuple(self.mins.shape) != (n, num_groups):
                 raise ValueError(f"int4 needs mins of shape {(n, num_groups)}")
+
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        """The same weight with its tensors on ``device``."""
+        return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device),
+                       mins=None if self.mins is None else self.mins.to(device))
 
     @property
     def nbytes(self) -> int:

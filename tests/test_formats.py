@@ -38,3 +38,13 @@ def test_bad_shapes_are_named() -> None:
         QuantizedTensor("int3", (2, 32), 32, torch.zeros(2, 32), torch.ones(2, 1))
     with pytest.raises(ValueError, match="int4 needs mins"):
         QuantizedTensor("int4", (2, 32), 32, torch.zeros(2, 16, dtype=torch.uint8), torch.ones(2, 1))
+
+
+def test_to_moves_every_tensor_and_keeps_the_weight() -> None:
+    w = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    for q in (quantize_int4(w, 32), quantize_int8(w, 32)):
+        moved = q.to("meta")
+        assert (moved.format, moved.shape, moved.group_size) == (q.format, q.shape, q.group_size)
+        assert all(t.device.type == "meta" for t in (moved.qweight, moved.scales))
+        assert (moved.mins is None) == (q.mins is None) and (q.mins is None or moved.mins.device.type == "meta")
+        assert torch.equal(q.to("cpu").dequantize(), q.dequantize())

@@ -135,7 +135,7 @@ class LlamaModel:
         if self.device.type == "cpu" and isinstance(weights, LazyWeights):
             embed = weights.file_rows(embed_name, take=take_weights)  # rows read per step
         if embed is None:
-            embed = _to_device(get(embed_name), self.device)
+            embed = get(embed_name).to(self.device)
         self.embed = embed
         head = embed if c.tie_word_embeddings else get("lm_head.weight")
         self._head_exact: Weight | FileRows | None = None
@@ -315,15 +315,6 @@ class LlamaModel:
 def _format(weight: Weight | FileRows) -> str | None:
     """The QuantizedTensor format of a weight, None for a dense one."""
     return None if isinstance(weight, torch.Tensor) else weight.format
-
-
-def _to_device(weight: Weight, device: torch.device) -> Weight:
-    if not isinstance(weight, QuantizedTensor):
-        return weight.to(device)
-    return QuantizedTensor(
-        weight.format, weight.shape, weight.group_size, weight.qweight.to(device), weight.scales.to(device),
-        None if weight.mins is None else weight.mins.to(device),
-    )
 
 
 def _rows(weight: Weight | FileRows, row_ids: torch.Tensor) -> torch.Tensor:
