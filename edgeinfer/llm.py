@@ -28,7 +28,7 @@ from edgeinfer.speculative import (
     verify_sampled,
     verify_uniforms,
 )
-from kernels.dispatch import resolve_path
+from kernels.dispatch import CPU_KERNEL_MAX_M, resolve_path
 from kernels.kv_pool import KVPool
 
 NGRAM = "ngram"  # generate_tokens' drafter for prompt lookup
@@ -69,12 +69,15 @@ def single_stream_runner(model: LlamaModel, runtime: RuntimeConfig, max_tokens: 
     return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime))
 
 
-# Single-stream prompts run in chunks of this many tokens on the CPU. Measured on the default
-# model, a 1024-token prompt: 128-token chunks 214 tok/s and +39 MB peak RSS, 256-token chunks
-# 179 tok/s / +56 MB, the whole prompt at once 141 tok/s / +145 MB (activations and attention
-# scores grow with the chunk; 128 rows still amortise each dequantized weight). CUDA runs the
-# whole prompt: there a bigger GEMM is the faster one.
-CPU_PREFILL_CHUNK = 128
+# Single-stream prompts run in chunks of this many tokens on the CPU: as many rows as the AVX2
+# int4 kernel takes (kernels.dispatch), so prefill reads the int4 weights in place instead of
+# dequantizing each into a 7 MB fp32 scratch for MKL's GEMM (whose first call also keeps ~5 MB
+# of buffers). Measured on the default model (bench, 3 alternated runs): 256-token prompt
+# 349-404 tok/s and 388-392 MB peak RSS vs 226-389 / 398-400 with 128-token dequantized chunks;
+# 1024 tokens 277-284 / 425-427 vs 218-279 / 446-448 (session 6 had 128 against 256-token chunks
+# and the whole prompt: 214 / 179 / 141 tok/s). CUDA runs the whole prompt: there a bigger GEMM
+# is the faster one.
+CPU_PREFILL_CHUNK = CPU_KERNEL_MAX_M
 
 
 def prefill(runner: ModelRunner, prompt_ids: list[int], chunk: int | None = None) -> torch.Tensor:

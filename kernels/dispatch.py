@@ -1,7 +1,7 @@
 """The one dispatch point for linear layers: weight -> kernel-ready form (once, at load) -> matmul.
 
 Paths:
-- ``int4_cpu``: int4 weights on the CPU. Below ``CPU_KERNEL_M`` rows (decode, small prefill
+- ``int4_cpu``: int4 weights on the CPU. Up to ``CPU_KERNEL_MAX_M`` rows (decode, CPU prefill
   chunks) the AVX2 int4 x int16 kernel runs (kernels.cpu_ops: activations rounded to int16, a
   scale per 4 values; ~1.9-2.6x torch's int4 kernel at M = 1, 4 and 16,
   tools/bench_cpu_kernels.py) where it builds and the CPU has AVX2; else torch's portable int4
@@ -11,7 +11,7 @@ Paths:
   dequantizer reads the kernel's own layout (torch's packed bytes: layout probed once, see
   ``_packed_block_n``).
 - ``int8_cpu``: int8 weights with the AVX2 ops: the int8 x int16 kernel (same activation
-  rounding) below ``CPU_KERNEL_M``, dequantize into the scratch buffer + fp32 GEMM above; the
+  rounding) up to ``CPU_KERNEL_MAX_M`` rows, dequantize into the scratch buffer + fp32 GEMM above; the
   weight is used as loaded (a Q8_0 tensor is not copied). Without the ops int8 (and nf4) weights
   run as bf16 copies (``bf16_cpu``).
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
@@ -38,7 +38,7 @@ from quant.formats import QuantizedTensor, unpack_int4
 # qkv ties at 64 and the dequantized GEMM wins from 96). LlamaModel's fused decode step calls
 # the kernels directly, for wider batches too (models.llama.FUSED_DECODE_MAX_SEQS).
 PREFILL_M = 32
-CPU_KERNEL_M = 64
+CPU_KERNEL_MAX_M = 64
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it
 _PACK_CHUNK_ROWS = 4096  # a multiple of every packing block width
 
@@ -203,12 +203,12 @@ def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None
     if path in ("dense", "reference"):
         y = x2.float() @ weight.dense.t()
     elif path == "int4_cpu" and weight.kernel is not None:
-        if m < CPU_KERNEL_M:
+        if m <= CPU_KERNEL_MAX_M:
             y = cpu_ops.int4_linear(x2, weight.kernel)
         else:
             y = x2.float() @ cpu_ops.dequantize_into(weight.kernel, _scratch(weight, scratch)).t()
     elif path == "int8_cpu":
-        if m < CPU_KERNEL_M:
+        if m <= CPU_KERNEL_MAX_M:
             y = cpu_ops.int8_linear(x2, weight.source)
         else:
             y = x2.float() @ _dequantize_int8_into(weight.source, _scratch(weight, scratch)).t()
