@@ -140,6 +140,7 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
         run(weights=model._decode_weights[:-1])
     with pytest.raises(RuntimeError, match="outside the KV pool"):
         run(slots=torch.tensor([4 * BLOCK]))
+    assert model._cos.shape[0] == c.max_position  # (the tables never pass the context)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         run(positions=torch.tensor([c.max_position]))
     with pytest.raises(RuntimeError, match="one shape and dtype"):
@@ -153,3 +154,27 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
     with pytest.raises(RuntimeError, match="plain caches take no scales"):
         run(k_scales=scales, v_scales=scales)
     run()  # the same call with good arguments goes through
+
+
+def test_rope_tables_grow_with_the_contexts_seen_and_stop_at_the_model_context() -> None:
+    config = ModelConfig(**{**CONFIG.to_dict(), "max_position": 700})
+    loaded = synthetic_model(config, "int4", group_size=32, seed=5)
+    grown, full = LlamaModel(config, loaded.weights), LlamaModel(config, loaded.weights)
+    assert grown._cos.shape[0] == 256  # the CPU starts small
+    full._cos, full._sin = full._rope_tables(config.max_position)
+    ids = torch.randint(0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    table = tuple(range(80))  # 320 slots: room for the prompt and 20 decode steps
+    logits = {}
+    for name, model in (("grown", grown), ("full", full)):
+        pool = KVPool(config.num_layers, 80, BLOCK, config.num_kv_heads, config.head_dim, "fp32", "fp32", model.device)
+        token_ids, batch = build_batch([SeqChunk(tuple(ids), 0, table)], BLOCK, model.device)
+        out = [model.forward(token_ids, batch, pool)]
+        token_ids, batch = build_batch([SeqChunk((7,), 300, table)], BLOCK, model.device)
+        out.append(model.forward(token_ids, batch, pool))  # the fused step reads positions past 256
+        logits[name] = out
+    assert grown._cos.shape[0] == 512  # doubled: covers the 320 slots of the block table
+    torch.testing.assert_close(grown._cos, full._cos[:512], rtol=0, atol=0)
+    for a, b in zip(logits["grown"], logits["full"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    grown._cover_positions(5000)
+    assert grown._cos.shape[0] == grown._sin.shape[0] == config.max_position

@@ -143,11 +143,7 @@ class LlamaModel:
         # read) loses to int4 + refinement (1.2-1.3 ms, 18 MB read) by more than the 17 MB it saves.
         if head_format == "int4" and _format(head) != "int4":
             self._head_exact = head.to(self.device, torch.float32) if isinstance(head, torch.Tensor) else head
-            # Row chunks: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB.
-            rows = torch.arange(head.shape[0])
-            head = concat_rows([quantize_int4(_rows(head, chunk), 32) for chunk in rows.split(4096)])
-            # fp16 scales and mins: the coarse pass reads 20 instead of 24 bytes per 32 weights.
-            head = QuantizedTensor("int4", head.shape, 32, head.qweight, head.scales.half(), head.mins.half())
+            head = _quantize_head_int4(head)
         elif isinstance(head, FileRows):
             head = head.load()
         self.head = prep(head)
@@ -156,7 +152,10 @@ class LlamaModel:
         # One reused buffer for prefill's dequantized weights (the model runs on one thread).
         self._scratch = torch.empty(scratch_numel(linears), device=self.device)
         self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        self._cos, self._sin = self._rope_tables(c.max_position)
+        # CUDA graphs hold the tables' addresses, so there they cover the whole context at once;
+        # the CPU grows them with the contexts it sees (the default model's 8192 positions: 4 MB).
+        rope_length = c.max_position if self.device.type == "cuda" else min(256, c.max_position)
+        self._cos, self._sin = self._rope_tables(rope_length)
         self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
         self._kv_calibration_ids = tuple(kv_calibration_ids)
         # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
@@ -187,6 +186,13 @@ class LlamaModel:
         if isinstance(t, QuantizedTensor):
             t = t.dequantize()
         return t.to(self.device, torch.float32)
+
+    def _cover_positions(self, num_positions: int) -> None:
+        """Grow the RoPE tables (at least doubling, at most the model's context) to hold
+        ``num_positions``; positions past the context still fail where the tables are read."""
+        if num_positions > self._cos.shape[0] < self.config.max_position:
+            length = min(max(num_positions, 2 * self._cos.shape[0]), self.config.max_position)
+            self._cos, self._sin = self._rope_tables(length)
 
     def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = torch.outer(torch.arange(length, dtype=torch.float64), self._inv_freq)
@@ -263,6 +269,7 @@ class LlamaModel:
         ``key_sink`` collects each layer's keys after RoPE (calibration)."""
         c = self.config
         num_tokens = token_ids.shape[0]
+        self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
         if self.fused_decode and batch.is_decode and key_sink is None and num_tokens <= FUSED_DECODE_MAX_SEQS and \
                 kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES:
             return self._fused_decode(token_ids, batch, kv)
@@ -315,6 +322,23 @@ class LlamaModel:
 def _format(weight: Weight | FileRows) -> str | None:
     """The QuantizedTensor format of a weight, None for a dense one."""
     return None if isinstance(weight, torch.Tensor) else weight.format
+
+
+def _quantize_head_int4(head: Weight | FileRows, chunk: int = 1024) -> QuantizedTensor:
+    """int4 group-32 round-to-nearest copy of the head for the coarse pass, fp16 scales and mins
+    (20 instead of 24 bytes per 32 weights read per token). Row blocks go straight into the
+    final buffers: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB, and
+    concatenating quantized blocks held the head twice (build peak 386 -> 366 MB with the
+    kernel packing below, default model)."""
+    n, k = head.shape
+    out = QuantizedTensor("int4", (n, k), 32, torch.empty(n, k // 2, dtype=torch.uint8),
+                          torch.empty(n, k // 32, dtype=torch.float16), torch.empty(n, k // 32, dtype=torch.float16))
+    for lo in range(0, n, chunk):
+        part = quantize_int4(_rows(head, torch.arange(lo, min(lo + chunk, n))), 32)
+        out.qweight[lo:lo + chunk] = part.qweight
+        out.scales[lo:lo + chunk] = part.scales
+        out.mins[lo:lo + chunk] = part.mins
+    return out
 
 
 def _rows(weight: Weight | FileRows, row_ids: torch.Tensor) -> torch.Tensor:
