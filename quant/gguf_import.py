@@ -29,6 +29,7 @@ from edgeinfer.config import ModelConfig
 from quant.formats import QuantizedTensor
 from quant.gguf_reader import (
     GGUF_MAGIC,
+    GGMLType,
     GGUFFile,
     GGUFFormatError,
     TensorInfo,
@@ -173,23 +174,23 @@ def _q8_blocks(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
 
 def convert_tensor(tensor: TensorInfo, raw: np.ndarray) -> Weight:
     """One tensor's raw bytes -> a torch tensor or QuantizedTensor (see the module docstring)."""
-    from gguf import GGMLQuantizationType as T
-    from gguf import dequantize
-
     # GGUF lists dims fastest-first; torch wants (rows, cols).
     shape = tuple(reversed(tensor.shape))
-    kind = T(tensor.ggml_type)
-    if kind == T.F32:
+    kind = tensor.ggml_type
+    if kind == GGMLType.F32:
         return torch.from_numpy(raw.view(np.float32).copy()).reshape(shape)
-    if kind == T.F16:
+    if kind == GGMLType.F16:
         return torch.from_numpy(raw.view(np.float16).copy()).reshape(shape)
-    if kind == T.BF16:
+    if kind == GGMLType.BF16:
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(shape)
-    if len(shape) == 2 and kind in (T.Q4_0, T.Q4_1, T.Q8_0):
+    if len(shape) == 2 and kind in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
         n, k = shape
-        if kind == T.Q8_0:
+        if kind == GGMLType.Q8_0:
             return _q8_blocks(raw, n, k)
-        return _q4_blocks(raw, n, k, has_min=kind == T.Q4_1)
+        return _q4_blocks(raw, n, k, has_min=kind == GGMLType.Q4_1)
+    from gguf import GGMLQuantizationType, dequantize
+
+    kind = GGMLQuantizationType(kind)
     log.warning("tensor %s has GGUF type %s: dequantized to fp32", tensor.name, kind.name)
     return torch.from_numpy(dequantize(raw.reshape(shape[0], -1), kind).astype(np.float32)).reshape(shape)
 
@@ -253,7 +254,8 @@ def open_gguf_model(path: str | os.PathLike[str]) -> GGUFSource:
 
 
 # GGUF types whose rows convert on their own, bit for bit (the others dequantize with a warning).
-_ROW_TYPES = {0: None, 1: None, 30: None, 2: "int4", 3: "int4", 8: "int8"}  # F32 F16 BF16 Q4_0 Q4_1 Q8_0
+_ROW_TYPES = {GGMLType.F32: None, GGMLType.F16: None, GGMLType.BF16: None,
+              GGMLType.Q4_0: "int4", GGMLType.Q4_1: "int4", GGMLType.Q8_0: "int8"}
 
 
 class FileRows:

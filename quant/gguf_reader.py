@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -24,6 +25,32 @@ DEFAULT_ALIGNMENT = 32
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+
+
+class GGMLType(IntEnum):
+    """The GGML tensor types edgeinfer converts itself; any other goes through the gguf package
+    (imported only then: it pulls in sentencepiece and yaml, ~4 MB of RSS)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    BF16 = 30
+
+
+# (elements, bytes) per block, as ggml defines them.
+_BLOCK_SIZES = {GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
+                GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q8_0: (32, 34)}
+
+
+def block_size(ggml_type: int) -> tuple[int, int] | None:
+    """(elements, bytes) per block of a GGML type; None for a type unknown to ggml."""
+    if ggml_type in _BLOCK_SIZES:
+        return _BLOCK_SIZES[GGMLType(ggml_type)]
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES.get(ggml_type)
 
 
 class GGUFFormatError(ValueError):
@@ -116,8 +143,6 @@ def read_rows_reference(fd: int, offset: int, row_bytes: int, num_rows: int, row
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    from gguf import GGML_QUANT_SIZES
-
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -142,9 +167,10 @@ def open_gguf(path: str | Path) -> GGUFFile:
     data_start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, dims, ggml_type, rel in infos:
-        if ggml_type not in GGML_QUANT_SIZES:
+        sizes = block_size(ggml_type)
+        if sizes is None:
             raise GGUFFormatError(f"tensor {name} has unknown GGML type {ggml_type}")
-        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        block, type_size = sizes
         count = int(np.prod(dims)) if dims else 1
         nbytes = count // block * type_size
         info = TensorInfo(name, dims, ggml_type, data_start + rel, nbytes)

@@ -82,6 +82,35 @@ def test_file_rows_equal_the_loaded_tensor(kind: str, tmp_path: Path) -> None:
             rows.read_reference(torch.tensor(bad))
 
 
+def test_other_types_are_dequantized_with_a_warning_that_names_them(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    import gguf
+
+    path = tmp_path / "q5.gguf"
+    _one_tensor_gguf(path, "Q5_0", 37, 96)  # not one of edgeinfer's own types (quant.gguf_reader.GGMLType)
+    (tensor,) = open_gguf(path).tensors
+    raw = read_tensor(path, tensor)
+    with caplog.at_level("WARNING"):
+        weight = convert_tensor(tensor, raw)
+    assert "token_embd.weight" in caplog.text and "Q5_0" in caplog.text
+    expected = gguf.quants.dequantize(raw.reshape(37, -1), gguf.GGMLQuantizationType.Q5_0)
+    assert weight.dtype == torch.float32 and torch.equal(weight, torch.from_numpy(expected))
+    with pytest.raises(ValueError, match="token_embd.weight cannot be read by rows"):
+        FileRows(path, tensor)
+
+
+def test_unknown_ggml_type_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    _one_tensor_gguf(path, "Q8_0", 4, 32)
+    data = bytearray(path.read_bytes())
+    # Tensor info: name, n_dims (u32), dims (u64 each), then the type (u32).
+    at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4 + 2 * 8
+    assert int.from_bytes(data[at:at + 4], "little") == 8
+    data[at:at + 4] = (250).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="token_embd.weight has unknown GGML type 250"):
+        open_gguf(path)
+
+
 def test_file_rows_cut_short_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "rows.gguf"
     _one_tensor_gguf(path, "Q8_0", 40, 64)
