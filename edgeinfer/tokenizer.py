@@ -9,6 +9,7 @@ complete, so a stream never emits half a character.
 
 from __future__ import annotations
 
+import array
 import codecs
 import json
 from pathlib import Path
@@ -73,13 +74,18 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         byte_of = {c: b for b, c in _bytes_to_unicode().items()}
         special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-        self._token_bytes: list[bytes] = []
+        # Every token's bytes in one buffer, token i at [offsets[i], offsets[i + 1]): a bytes
+        # object per token cost ~2.5 MB for a 49k vocabulary, this ~0.5 MB.
+        pieces = bytearray()
+        self._offsets = array.array("I", [0])
         for token_id in range(self.vocab_size):
             piece = backend.id_to_token(token_id) or ""
             if piece in special or not all(ch in byte_of for ch in piece):
-                self._token_bytes.append(piece.encode("utf-8"))
+                pieces += piece.encode("utf-8")
             else:
-                self._token_bytes.append(bytes(byte_of[ch] for ch in piece))
+                pieces += bytes(byte_of[ch] for ch in piece)
+            self._offsets.append(len(pieces))
+        self._pieces = bytes(pieces)
         self.special_ids = frozenset(backend.token_to_id(t) for t in special)
         self._template = None
 
@@ -160,8 +166,9 @@ class Tokenizer:
         return self.token_bytes(token_ids, skip_special).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_ids: list[int], skip_special: bool = True) -> bytes:
+        pieces, offsets = self._pieces, self._offsets
         return b"".join(
-            self._token_bytes[i] for i in token_ids if not (skip_special and i in self.special_ids)
+            pieces[offsets[i]:offsets[i + 1]] for i in token_ids if not (skip_special and i in self.special_ids)
         )
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
