@@ -40,7 +40,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
                    help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
-    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES, help="K and V cache format")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
+                   help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V cache format (overrides --kv-dtype)")
     p.add_argument("--threads", type=int, default=None)

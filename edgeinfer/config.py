@@ -76,7 +76,10 @@ class RuntimeConfig:
     linear_path: str = "auto"  # auto: int4_cpu on the CPU, triton on CUDA
     num_threads: int | None = None
     block_size: int = 16
-    kv_dtype: str = "fp32"  # K and V, unless overridden below
+    # K and V, unless overridden below. auto: fp16, as llama.cpp keeps it (the default model on
+    # the CPU: the same decode speed as fp32 and half the pool, 9 MB less at 400 tokens); fp32 on
+    # the exact reference path.
+    kv_dtype: str = "auto"
     k_dtype: str | None = None
     v_dtype: str | None = None
     num_kv_blocks: int | None = None  # fixed pool size; None: sized from the memory budget
@@ -91,7 +94,9 @@ class RuntimeConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear_path must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
-        for name in ("kv_dtype", "k_dtype", "v_dtype"):
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be 'auto' or one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        for name in ("k_dtype", "v_dtype"):
             value = getattr(self, name)
             if value is not None and value not in KV_DTYPES:
                 raise ValueError(f"{name} must be one of {KV_DTYPES}, got {value!r}")
@@ -112,11 +117,17 @@ class RuntimeConfig:
 
     @property
     def key_dtype(self) -> str:
-        return self.k_dtype or self.kv_dtype
+        return self.k_dtype or self._kv_dtype
 
     @property
     def value_dtype(self) -> str:
-        return self.v_dtype or self.kv_dtype
+        return self.v_dtype or self._kv_dtype
+
+    @property
+    def _kv_dtype(self) -> str:
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        return "fp32" if self.linear_path == "reference" else "fp16"
 
 
 @dataclass(frozen=True)

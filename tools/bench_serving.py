@@ -118,7 +118,7 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=512, help="max tokens per step (prefill chunks)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS)
-    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES)
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES))
     p.add_argument("--kv-memory-mib", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
