@@ -116,20 +116,8 @@ class LlamaModel:
         # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
         dense_dtype = torch.bfloat16 if self.linear_path == "int4_cpu" else torch.float32
         fuse = lambda parts: _fuse(parts, dense_dtype)  # noqa: E731
-        self.layers: list[_Layer] = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            w = lambda name: get(p + name + ".weight")  # noqa: E731,B023
-            self.layers.append(_Layer(
-                input_norm=self._dense(w("input_layernorm")),
-                qkv=prep(fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
-                o=prep(w("self_attn.o_proj")),
-                post_norm=self._dense(w("post_attention_layernorm")),
-                gate_up=prep(fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
-                down=prep(w("mlp.down_proj")),
-            ))
-            trim_heap()  # the layer's staging copies, before the next layer's land between them
-        self.norm = self._dense(get("model.norm.weight"))
+        # The head first: its int4 copy's build transient (~20 MB) then lands before the layers'
+        # weights do, below the model's final size.
         embed_name = "model.embed_tokens.weight"
         embed: Weight | FileRows | None = None
         if self.device.type == "cpu" and isinstance(weights, LazyWeights):
@@ -147,7 +135,22 @@ class LlamaModel:
         elif isinstance(head, FileRows):
             head = head.load()
         self.head = prep(head)
+        del head, embed  # the int4 copy's codes (14 MB) were repacked for the kernel
         trim_heap()
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            w = lambda name: get(p + name + ".weight")  # noqa: E731,B023
+            self.layers.append(_Layer(
+                input_norm=self._dense(w("input_layernorm")),
+                qkv=prep(fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
+                o=prep(w("self_attn.o_proj")),
+                post_norm=self._dense(w("post_attention_layernorm")),
+                gate_up=prep(fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
+                down=prep(w("mlp.down_proj")),
+            ))
+            trim_heap()  # the layer's staging copies, before the next layer's land between them
+        self.norm = self._dense(get("model.norm.weight"))
         linears = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         # One reused buffer for prefill's dequantized weights (the model runs on one thread).
         self._scratch = torch.empty(scratch_numel(linears), device=self.device)
