@@ -36,7 +36,7 @@ from quant.formats import QuantizedTensor, unpack_int4
 # ~32 rows on. The AVX2 kernels, since their accumulators stay in registers and a tile's min
 # terms are one FMA per group, win up to 64 (gate/up 2.71 vs 3.03 ms at 64, down 0.90 vs 1.00;
 # qkv ties at 64 and the dequantized GEMM wins from 96). LlamaModel's fused decode step calls
-# the kernels directly, for wider batches too (models.llama.FUSED_DECODE_MAX_SEQS).
+# the kernels directly, for wider batches too (models.llama.FUSED_STEP_MAX_TOKENS).
 PREFILL_M = 32
 CPU_KERNEL_MAX_M = 64
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it

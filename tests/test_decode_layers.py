@@ -1,6 +1,6 @@
-"""The fused C++ decode step (kernels/cpu/decode_layers.cpp) against the model's per-op forward:
-same logits and the same K/V written, for several sequences with scattered blocks, every plain
-KV dtype; bad arguments get errors that name them."""
+"""The fused C++ step (kernels/cpu/decode_layers.cpp) against the model's per-op forward: same
+logits and the same K/V written, for decode rows, prompt chunks and mixed steps of several
+sequences with scattered blocks, every KV format; bad arguments get errors that name them."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ BLOCK = 4
 def model() -> LlamaModel:
     loaded = synthetic_model(CONFIG, "int4", group_size=32, seed=3)
     model = LlamaModel(loaded.config, loaded.weights)
-    assert model.fused_decode, "an int4 g32 model on the CPU takes the fused decode path"
+    assert model.fused_steps, "an int4 g32 model on the CPU takes the fused step"
     return model
 
 
@@ -66,11 +66,11 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
         token_ids, batch = build_batch(chunks, BLOCK, model.device)
         assert batch.is_decode
         fused = model.forward(token_ids, batch, fused_pool)
-        model.fused_decode = False
+        model.fused_steps = False
         try:
             reference = model.forward(token_ids, batch, reference_pool)
         finally:
-            model.fused_decode = True
+            model.fused_steps = True
         assert fused.shape == reference.shape == (3, CONFIG.vocab_size)
         torch.testing.assert_close(fused, reference, rtol=tol, atol=tol * reference.abs().max().item())
     # Not bit-exact from layer 1 on: SiLU's exp differs from torch's in the last bits, and the
@@ -87,6 +87,58 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
                                            rtol=1e-3, atol=1e-3 * getattr(reference_cache, name).abs().max().item())
             continue
         torch.testing.assert_close(fused_cache.data.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8", "int4"])
+def test_fused_prompt_and_mixed_steps_match_the_per_op_forward(model: LlamaModel, kv_dtype: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of one step that belong to one sequence attend causally: a prompt from position 0, a
+    prompt chunk continuing a cached context, a decode row and a verify-style chunk with logits
+    for each of its tokens, in one step, against the per-op forward from the same pool."""
+    c = model.config
+    g = torch.Generator().manual_seed(4)
+    if kv_dtype in ("int8", "int4"):
+        monkeypatch.setattr(model, "_key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
+    tokens = lambda n: tuple(torch.randint(0, c.vocab_size, (n,), generator=g).tolist())  # noqa: E731
+    tables = [(5, 1, 12, 3), (8, 0, 19), (2, 14), (7, 10, 4)]
+    cached = {1: 6, 2: 5, 3: 3}  # tokens already in the cache per sequence (written by the per-op path)
+    pool = KVPool(c.num_layers, 24, BLOCK, c.num_kv_heads, c.head_dim, kv_dtype, kv_dtype, model.device)
+    model.fused_steps = False
+    try:
+        for seq, n in cached.items():
+            token_ids, batch = build_batch([SeqChunk(tokens(n), 0, tables[seq])], BLOCK, model.device)
+            model.forward(token_ids, batch, pool)
+    finally:
+        model.fused_steps = True
+    chunks = [SeqChunk(tokens(13), 0, tables[0]),  # ends mid-block, spans 4 blocks
+              SeqChunk(tokens(5), 6, tables[1]),  # continues a cached context across a block edge
+              SeqChunk(tokens(1), 5, tables[2]),  # a decode row
+              SeqChunk(tokens(4), 3, tables[3], num_logits=4)]  # verify-style: every row's logits
+    token_ids, batch = build_batch(chunks, BLOCK, model.device)
+    assert not batch.is_decode
+    reference_pool = copy.deepcopy(pool)
+    calls: list[int] = []
+    fused_step = model._fused_step
+    monkeypatch.setattr(model, "_fused_step", lambda *args: calls.append(1) or fused_step(*args))
+    fused = model.forward(token_ids, batch, pool)
+    assert calls == [1]
+    model.fused_steps = False
+    try:
+        reference = model.forward(token_ids, batch, reference_pool)
+    finally:
+        model.fused_steps = True
+    assert fused.shape == reference.shape == (1 + 1 + 1 + 4, c.vocab_size)
+    tol = {"int8": 1 / 127, "int4": 1 / 15, "fp16": torch.finfo(torch.float16).eps}.get(kv_dtype, 1e-4)
+    torch.testing.assert_close(fused, reference, rtol=tol, atol=tol * reference.abs().max().item())
+    for cache, expected in zip(pool.k_caches + pool.v_caches, reference_pool.k_caches + reference_pool.v_caches,
+                               strict=True):
+        if kv_dtype in ("int8", "int4"):  # codes within one step, nearly all equal
+            codes = [unpack_int4(x.data) if kv_dtype == "int4" else x.data for x in (cache, expected)]
+            assert (codes[0].int() - codes[1].int()).abs().max() <= 1
+            assert (codes[0] != codes[1]).float().mean() < 0.01
+        else:
+            ref = expected.data.float()
+            torch.testing.assert_close(cache.data.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def test_wide_decode_batches_are_fused_up_to_the_bound(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,11 +158,11 @@ def test_wide_decode_batches_are_fused_up_to_the_bound(model: LlamaModel, monkey
               for n, t in zip(lengths, tables, strict=True)]
     token_ids, batch = build_batch(chunks, BLOCK, model.device)
     calls: list[int] = []
-    fused_step = model._fused_decode
-    monkeypatch.setattr(model, "_fused_decode", lambda *args: calls.append(1) or fused_step(*args))
+    fused_step = model._fused_step
+    monkeypatch.setattr(model, "_fused_step", lambda *args: calls.append(1) or fused_step(*args))
     fused = model.forward(token_ids, batch, pool)
     assert calls == [1]
-    monkeypatch.setattr(llama, "FUSED_DECODE_MAX_SEQS", num_seqs - 1)
+    monkeypatch.setattr(llama, "FUSED_STEP_MAX_TOKENS", num_seqs - 1)
     reference = model.forward(token_ids, batch, reference_pool)  # above the bound: the per-op forward
     assert calls == [1]
     torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
@@ -118,9 +170,9 @@ def test_wide_decode_batches_are_fused_up_to_the_bound(model: LlamaModel, monkey
 
 def test_fused_decode_is_off_where_the_weights_do_not_allow_it() -> None:
     loaded = synthetic_model(CONFIG, "int8", group_size=32, seed=3)
-    assert not LlamaModel(loaded.config, loaded.weights).fused_decode  # int8: no AVX2 int4 kernel
+    assert not LlamaModel(loaded.config, loaded.weights).fused_steps  # int8: no AVX2 int4 kernel
     loaded = synthetic_model(CONFIG, "int4", group_size=32, seed=3)
-    assert not LlamaModel(loaded.config, loaded.weights, linear_path="reference").fused_decode
+    assert not LlamaModel(loaded.config, loaded.weights, linear_path="reference").fused_steps
 
 
 def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
@@ -131,13 +183,13 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
     k = [cache.data for cache in pool.k_caches]
     v = [cache.data for cache in pool.v_caches]
 
-    def run(weights=model._decode_weights, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
+    def run(weights=model._fused_weights, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
             v_caches=v, **int8):
         cpu_ops.decode_layers(h, weights, 32, model._cos, model._sin, positions, k_caches, v_caches, slots,
                               batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5, **int8)
 
     with pytest.raises(RuntimeError, match="14 weights"):
-        run(weights=model._decode_weights[:-1])
+        run(weights=model._fused_weights[:-1])
     with pytest.raises(RuntimeError, match="outside the KV pool"):
         run(slots=torch.tensor([4 * BLOCK]))
     assert model._cos.shape[0] == c.max_position  # (the tables never pass the context)

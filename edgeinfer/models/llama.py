@@ -68,11 +68,13 @@ def _fuse(weights: list[Weight], dense_dtype: torch.dtype) -> Weight:
 
 
 HEAD_REFINE_ROWS = 64
-# Decode steps up to this many sequences run as one decode_layers call. Its int4 kernel stays
-# within ~10% of dequantize + fp32 GEMM per linear up to 128 rows (tools measurement in
-# kernels.dispatch), and the per-op forward it replaces cost 2x at 48 sequences (394 vs 191 ms
-# per step); larger batches were not measured.
-FUSED_DECODE_MAX_SEQS = 128
+# CPU steps of up to this many tokens (decode rows, prompt chunks, verify steps) run as one
+# decode_layers call. Its int4 kernel stays within ~10% of dequantize + fp32 GEMM per linear up
+# to 128 rows (tools measurement in kernels.dispatch); the per-op forward it replaces cost 2x at
+# 48 decode rows (394 vs 191 ms per step) and, for 64-token prompt chunks, ran a 256-token prompt
+# at 249-266 tok/s against 338-414 (1024 tokens: 172-179 vs 219-286) with ~10 MB more peak RSS:
+# its activations went through torch's allocator op by op; larger steps were not measured.
+FUSED_STEP_MAX_TOKENS = 128
 # KV formats the fused step writes and reads (K and V in one format; mixed ones take the per-op
 # forward).
 FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
@@ -164,12 +166,12 @@ class LlamaModel:
         # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
         self._cpu_norm = self.device.type == "cpu" and cpu_ops.available()
         self._key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
-        self._decode_weights, self._decode_group = self._fused_decode_weights()
-        # Decode steps run as one C++ call for all layers where the weights allow it (see
-        # _fused_decode_weights); tests turn this off to compare with the per-op forward.
-        self.fused_decode = self._decode_weights is not None
+        self._fused_weights, self._fused_group = self._fused_step_weights()
+        # Steps run as one C++ call for all layers where the weights allow it (see
+        # _fused_step_weights); tests turn this off to compare with the per-op forward.
+        self.fused_steps = self._fused_weights is not None
 
-    def _fused_decode_weights(self) -> tuple[list[torch.Tensor] | None, int]:
+    def _fused_step_weights(self) -> tuple[list[torch.Tensor] | None, int]:
         """decode_layers' weight list when every linear runs the AVX2 int4 kernel with one group
         size (the CPU fast path on int4 checkpoints), else (None, 0)."""
         if self.device.type != "cpu" or not cpu_ops.available():
@@ -246,7 +248,7 @@ class LlamaModel:
         # x: (T, heads, head_dim); cos/signed_sin: (T, 1, head_dim)
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
-    def _fused_decode(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
+    def _fused_step(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
         c = self.config
         h = self.embed_tokens(token_ids).contiguous()
         quantized = kv.k_dtype not in PLAIN_DTYPES  # then K and V both (FUSED_KV_DTYPES)
@@ -258,10 +260,14 @@ class LlamaModel:
         if kv.k_dtype == "int4":
             params |= {"k_zeros": [cache.zero for cache in kv.k_caches],
                        "v_zeros": [cache.zero for cache in kv.v_caches]}
+        tables, context_lens = batch.block_tables, batch.context_lens
+        if not batch.is_decode:  # a row per token: its sequence's table, causal up to its position
+            tables = tables.repeat_interleave(batch.query_start_loc.diff(), dim=0)
+            context_lens = batch.positions + 1
         cpu_ops.decode_layers(
-            h, self._decode_weights, self._decode_group, self._cos, self._sin, batch.positions,
+            h, self._fused_weights, self._fused_group, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
-            batch.block_tables, batch.context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps, **params,
+            tables, context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps, **params,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.norm))
 
@@ -273,9 +279,9 @@ class LlamaModel:
         c = self.config
         num_tokens = token_ids.shape[0]
         self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
-        if self.fused_decode and batch.is_decode and key_sink is None and num_tokens <= FUSED_DECODE_MAX_SEQS and \
+        if self.fused_steps and key_sink is None and num_tokens <= FUSED_STEP_MAX_TOKENS and \
                 kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES:
-            return self._fused_decode(token_ids, batch, kv)
+            return self._fused_step(token_ids, batch, kv)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         scale = c.head_dim ** -0.5

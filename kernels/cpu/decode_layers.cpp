@@ -1,16 +1,19 @@
-// Every transformer layer of one decode step in a single call, for AVX2 CPUs.
+// Every transformer layer of one step in a single call, for AVX2 CPUs, with decode-style
+// attention: each row is one query against the cached context up to its own position.
 //
-// Op torch.ops.edgeinfer_cpu.decode_layers; edgeinfer.models.llama calls it for decode steps on
-// the CPU fast path (int4 linears; plain KV caches, or int8 / int4 ones: K/V rotated, keys
+// Op torch.ops.edgeinfer_cpu.decode_layers; edgeinfer.models.llama calls it for steps of up to
+// FUSED_STEP_MAX_TOKENS tokens (decode, prompt chunks, mixed and verify steps) on the CPU fast
+// path (int4 linears; plain KV caches, or int8 / int4 ones: K/V rotated, keys
 // centred, then quantized) and its own per-op forward is the reference.
 // Per layer: RMSNorm, QKV (int4 GEMM), RoPE, the K/V write into the paged pool, attention, the
 // output projection and residual, RMSNorm, gate/up, SiLU * up, down and residual: the same
 // arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
 // torch dispatches per layer (~3-5 us each, 30 layers, every token).
 //
-// h (M, hidden) fp32 is updated in place: M tokens, one per sequence, at `positions`, written to
-// pool slots `slot_mapping`; sequence s attends over its first context_lens[s] slots through row s
-// of block_tables. RoPE tables are (max_position, head_dim) fp32: cos, and sin with its first
+// h (M, hidden) fp32 is updated in place: M tokens at `positions`, written to pool slots
+// `slot_mapping`; token t attends over the first context_lens[t] slots of its sequence through
+// row t of block_tables. Every row's K/V is written before any row attends, so the tokens of one
+// prompt chunk (rows with their sequence's table, context_lens = position + 1) attend causally. RoPE tables are (max_position, head_dim) fp32: cos, and sin with its first
 // half negated, so rope(x)[d] = x[d] * cos[d] + x[(d + D/2) % D] * signed_sin[d].
 
 #include <ATen/ATen.h>
@@ -241,8 +244,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
   const at::Tensor lens = context_lens_in.to(at::kInt).contiguous();
   TORCH_CHECK(positions.numel() == m && slots.numel() == m && lens.numel() == m && tables.dim() == 2 &&
                   tables.size(0) == m,
-              "decode steps carry one token per sequence: positions, slot_mapping, context_lens and block_tables "
-              "must have M rows");
+              "positions, slot_mapping, context_lens and block_tables must have one row per token (M)");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
                   cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.dim() == 2 &&
                   cos_table.size(1) == head_dim && sin_table.sizes() == cos_table.sizes(),
