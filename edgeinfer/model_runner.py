@@ -128,6 +128,6 @@ class ModelRunner:
         logits = self.model.forward(token_ids, meta, self.pool)
         if not meta.is_decode and self.model.device.type == "cpu":
             # A prompt step's activations free pages between longer-lived small blocks, which
-            # stay resident until trimmed (~0.2 ms): bench peak RSS -3 to -7 MB.
+            # stay resident until trimmed (~0.2 ms): bench peak RSS -4 to -6 MB.
             trim_heap()
         return logits
