@@ -34,9 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from quant.formats import QuantizedTensor, unpack_int4
+from quant.formats import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +82,16 @@ def prepare_int4(weight: QuantizedTensor) -> CpuInt4Weight:
     assert weight.mins is not None
     n, k = weight.shape
     # Row chunks bound the staging copy of unpacked codes (1 byte per weight), written in place
-    # (a concatenation would hold the packed weight twice: 14 MB more for the default head).
-    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    # (a concatenation would hold the packed weight twice: 14 MB more for the default head). In
+    # numpy: the GGUF loader's uint8 ops are already resident there, while these torch ops would
+    # bring ~2 MB of their kernels' code pages in for the load alone.
+    qweight = weight.qweight.numpy()
+    packed = np.empty((n, k // 2), dtype=np.uint8)
     for lo in range(0, n, 4096):
-        rows = weight.qweight[lo:lo + 4096]
-        codes = unpack_int4(rows).view(rows.shape[0], k // BLOCK, 2, BLOCK // 2)
-        packed[lo:lo + 4096] = (codes[:, :, 0] | (codes[:, :, 1] << 4)).view(rows.shape[0], k // 2)
+        rows = qweight[lo:lo + 4096]
+        codes = np.stack((rows & 0x0F, rows >> 4), axis=-1).reshape(rows.shape[0], k // BLOCK, 2, BLOCK // 2)
+        packed[lo:lo + 4096] = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows.shape[0], k // 2)
+    packed = torch.from_numpy(packed)
     dtype = weight.scales.dtype if weight.scales.dtype in (torch.float16, torch.float32) else torch.float32
     scales = weight.scales.to(dtype).contiguous()
     mins = weight.mins.to(dtype).contiguous()
