@@ -337,7 +337,7 @@ def _quantize_head_int4(head: Weight | FileRows, chunk: int = 1024) -> Quantized
     """int4 group-32 round-to-nearest copy of the head for the coarse pass, fp16 scales and mins
     (20 instead of 24 bytes per 32 weights read per token). Row blocks go straight into the
     final buffers: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB, and
-    concatenating quantized blocks held the head twice (build peak 386 -> 366 MB with the
+    concatenating quantized blocks held the head twice (build peak 387 -> 370 MB with the
     kernel packing below, default model)."""
     n, k = head.shape
     out = QuantizedTensor("int4", (n, k), 32, torch.empty(n, k // 2, dtype=torch.uint8),
