@@ -68,7 +68,7 @@ class DraftModel:
         for j in range(k):
             logits = self.runner.logits([SeqChunk(feed, len(self._fed) - len(feed), table)])
             batch = SamplingBatch.from_params([params], [prompt_ids], [output + drafts], self.vocab_size,
-                                              eos_token_ids)
+                                              eos_token_ids, device=logits.device)
             if params.is_greedy:
                 token = int(processed_logits(logits, batch).argmax(dim=-1)[0])
             else:

@@ -136,7 +136,7 @@ def generate_tokens(
         return len(output) >= params.max_tokens or (output[-1] in stops and len(output) > params.min_tokens)
 
     token = int(sample(logits, SamplingBatch.from_params([params], [prompt_ids], [output], vocab,
-                                                         eos_token_ids)).token_ids[0])
+                                                         eos_token_ids, device=logits.device)).token_ids[0])
     while True:
         output.append(token)
         yield token
@@ -154,7 +154,7 @@ def generate_tokens(
         n = len(drafts)
         histories = [output + drafts[:j] for j in range(n + 1)]
         batch = SamplingBatch.from_params([params] * (n + 1), [prompt_ids] * (n + 1), histories, vocab,
-                                          eos_token_ids)
+                                          eos_token_ids, device=logits.device)
         if not drafts:
             token = int(sample(logits, batch).token_ids[0])
             continue

@@ -100,10 +100,11 @@ class KVPool:
         self.head_dim = head_dim
         self.k_dtype = k_dtype
         self.v_dtype = v_dtype
-        self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_caches = [_empty_cache(k_dtype, shape, self.device) for _ in range(num_layers)]
-        self.v_caches = [_empty_cache(v_dtype, shape, self.device) for _ in range(num_layers)]
+        self.k_caches = [_empty_cache(k_dtype, shape, torch.device(device)) for _ in range(num_layers)]
+        self.v_caches = [_empty_cache(v_dtype, shape, torch.device(device)) for _ in range(num_layers)]
+        # The tensors' own device: "cuda" resolves to "cuda:0", and callers compare with q.device.
+        self.device = self.k_caches[0].data.device
 
     @property
     def num_slots(self) -> int:
