@@ -6,12 +6,11 @@ import torch
 
 import edgeinfer.models.llama as llama
 from edgeinfer.config import ModelConfig
-from edgeinfer.kv_calibration import calibration_ids
 from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.synthetic import synthetic_model
 from kernels.kv_pool import KVPool
-from kernels.kv_quant import kv_rotation
+from kernels.kv_quant import dequantize_kv, kv_rotation, quantize_kv
 
 TINY = ModelConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=24, max_position=128)  # head_dim 24: not a power of two
@@ -48,33 +47,19 @@ def test_centring_and_rotation_leave_attention_unchanged(monkeypatch: pytest.Mon
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-# Dickens, A Tale of Two Cities (public domain): ~200 tokens. The gain shows past ~100 tokens
-# of context (measured: KL 0.039 -> 0.027 at 128 tokens, none at 32).
-PASSAGE = (
-    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
-    "it was the season of Darkness, it was the spring of hope, it was the winter of despair, we had "
-    "everything before us, we had nothing before us, we were all going direct to Heaven, we were all going "
-    "direct the other way -- in short, the period was so far like the present period, that some of its "
-    "noisiest authorities insisted on its being received, for good or for evil, in the superlative degree "
-    "of comparison only. There were a king with a large jaw and a queen with a plain face, on the throne of "
-    "England; there were a king with a large jaw and a queen with a fair face, on the throne of France."
-)
+def test_int4_keys_with_a_shared_offset_lose_less_once_centred() -> None:
+    """Why the model centres keys, on any CPU: an int4 group's 16 levels span each token's range
+    over 32 channels, a per-channel offset shared by every token (real keys carry one on the slow
+    RoPE channels) widens that range, and subtracting the mean removes it exactly. With offsets
+    of 8 on a seventh of the channels the error shrinks ~5-10x; the bound leaves 2x of margin.
+    On the real model the gain is smaller and measured, not asserted: tools/kv_quality.py."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(300, 2, 64, generator=g)  # (tokens, KV heads, head_dim)
+    offset = torch.zeros(64)
+    offset[::7] = 8.0
+    keys = keys + offset
 
+    def error(x: torch.Tensor) -> float:
+        return float((dequantize_kv(quantize_kv(x, "int4")) - x).pow(2).mean())
 
-def test_int4_keys_lose_less_on_the_real_model(loaded_model) -> None:  # noqa: ANN001
-    c = loaded_model.config
-    tokens = loaded_model.tokenizer.encode(PASSAGE)
-    assert len(tokens) > 150
-    exact = torch.log_softmax(logits(LlamaModel(c, dict(loaded_model.weights), linear_path="reference"),
-                                     "fp32", tokens, c), dim=-1)
-
-    def kl(model: LlamaModel) -> float:
-        got = torch.log_softmax(logits(model, "int4", tokens, c), dim=-1)
-        return float((exact.exp() * (exact - got)).sum(-1).mean())
-
-    bare = LlamaModel(c, dict(loaded_model.weights), linear_path="reference")
-    bare._kv_rotation = torch.eye(c.head_dim)  # neither centred nor rotated
-    full = LlamaModel(c, dict(loaded_model.weights), linear_path="reference",
-                      kv_calibration_ids=calibration_ids(loaded_model.tokenizer))
-    assert kl(full) < 0.85 * kl(bare)
+    assert error(keys - keys.mean(dim=0)) < 0.4 * error(keys)
