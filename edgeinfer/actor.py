@@ -90,9 +90,14 @@ async def serve(
     inbox: MemoryObjectReceiveStream[Envelope[Any]],
     handle: Callable[[Any], Awaitable[Any]],
     *,
+    restart: Callable[[Exception], Awaitable[bool]] | None = None,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run an actor: handle each message in order, reply to asks. Start with `tg.start(...)`."""
+    """Run an actor: handle each message in order, reply to asks. Start with `tg.start(...)`.
+
+    A handler that raises answers its asker with the failure; then, with a `restart` policy
+    (the supervisor's), the actor awaits `restart(exc)` and goes on serving if it returns True
+    (messages sent meanwhile wait in the mailbox); without one, or on False, it re-raises."""
     task_status.started()
     async with inbox:
         try:
@@ -103,6 +108,8 @@ async def serve(
                     log.error("actor %s failed handling %s", name, type(envelope.message).__name__,
                               exc_info=exc)
                     _reply(envelope, _Failure(exc))
+                    if restart is not None and await restart(exc):
+                        continue
                     raise
                 except BaseException:  # cancelled: the asker gets EndOfStream, then we re-raise
                     _close(envelope)

@@ -2,11 +2,19 @@
 `async for event in engine.generate(request)`.
 
 The engine owns the supervising task group: the model actor and the scheduler actor start under
-it with `tg.start` and share nothing but messages. An actor that fails takes both down; the
-scheduler actor answers every open request with an internal_error Error event on its way out,
-and the supervisor logs the failure and records it in `engine.error` instead of cancelling the
-caller's task, so every client sees its Error event. Leaving the `async with` closes the
-scheduler's inbox: open requests get engine_closed and the actors end.
+it with `tg.start` and share nothing but messages. The engine is their supervisor:
+- A failed model step fails the requests that step carried (internal_error; the scheduler frees
+  their blocks), and the supervisor restarts the model actor (a fresh worker thread over the
+  loaded weights) while `health()` says "restarting" for `restart_delay_s`; requests queue
+  meanwhile and run once it is back. `max_failures` steps failing in a row (none succeeding
+  between) mean the model cannot run: health "failed", and both actors stop.
+- Any other actor failure (a bug in the scheduler) stops both: the scheduler actor answers every
+  open request with internal_error on its way out, and the supervisor records the failure in
+  `engine.error` and `health()` instead of cancelling the caller's task, so every client sees
+  its Error event.
+Failures confined to one request (its sampling, detokenizing, stop checks, beam scoring) never
+reach the supervisor: the model actor and the scheduler fail that request alone. Leaving the
+`async with` closes the scheduler's inbox: open requests get engine_closed and the actors end.
 
 Each request's events flow through its own bounded stream, whose receive end the caller's
 RequestStream holds; closing it (break, cancellation, `aclose`) is how a request is cancelled:
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -24,9 +33,10 @@ from anyio.abc import TaskStatus
 
 from edgeinfer.actor import ActorFailed, mailbox, serve
 from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
-from edgeinfer.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished
+from edgeinfer.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished, Health
 from edgeinfer.loader import load_model
-from edgeinfer.model_actor import ModelActor, StepRunner, build_runner
+from edgeinfer.model_actor import ModelActor, Sampler, StepRunner, build_runner
+from edgeinfer.sampler import sample
 from edgeinfer.sampling_params import SamplingParams
 from edgeinfer.scheduler import Scheduler
 from edgeinfer.scheduler_actor import EngineStats, SchedulerActor, Submit
@@ -36,10 +46,25 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class SupervisionConfig:
+    """How the engine outlives a failed model step (see the module docstring)."""
+
+    restart_delay_s: float = 1.0  # health stays "restarting" (/healthz 503) this long after a failure
+    max_failures: int = 3  # model steps failing in a row before the engine gives up
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.restart_delay_s <= 600:
+            raise ValueError(f"restart_delay_s must be in [0, 600] seconds, got {self.restart_delay_s}")
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
 
 
 @dataclass(frozen=True)
@@ -62,15 +87,22 @@ class Engine:
         self._model_config: ModelConfig | None = None
         self._scheduler_config = config.scheduler
         self._max_model_len = config.runtime.max_model_len
+        self._sampler: Sampler = sample
+        self._health = Health("starting")
+        self._consecutive_failures = 0  # model steps failed since the last one that succeeded
         self.error: BaseException | None = None  # why the actors stopped, if they failed
 
     @classmethod
     def from_runner(cls, runner: StepRunner, tokenizer: Any, model_config: ModelConfig,
-                    scheduler: SchedulerConfig | None = None, max_model_len: int | None = None) -> Engine:
-        """An engine over an already-built runner (a loaded model reused, or a fake in tests)."""
-        engine = cls(EngineConfig("<runner>", scheduler=scheduler or SchedulerConfig()))
+                    scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
+                    supervision: SupervisionConfig | None = None, sampler: Sampler = sample) -> Engine:
+        """An engine over an already-built runner (a loaded model reused, or a fake in tests);
+        `sampler` replaces edgeinfer.sampler.sample (fault-injection tests)."""
+        engine = cls(EngineConfig("<runner>", scheduler=scheduler or SchedulerConfig(),
+                                  supervision=supervision or SupervisionConfig()))
         engine._runner, engine._tokenizer, engine._model_config = runner, tokenizer, model_config
         engine._max_model_len = max_model_len
+        engine._sampler = sampler
         return engine
 
     @property
@@ -80,6 +112,9 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self._scheduler_actor.stats
+
+    def health(self) -> Health:
+        return self._health
 
     async def __aenter__(self) -> Engine:
         if self._runner is None:
@@ -98,7 +133,7 @@ class Engine:
             activation_bytes_per_token=self._runner.activation_bytes_per_token)
         model_ref, self._model_inbox = mailbox("model", 1)
         self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
-        self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids)
+        self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids, sampler=self._sampler)
         self._scheduler_actor = SchedulerActor(scheduler, model_ref)
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens)", pool.num_blocks, pool.block_size,
                  pool.num_blocks * pool.block_size)
@@ -112,6 +147,8 @@ class Engine:
         return self
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._health.status != "failed":
+            self._health = Health("closed", "the engine was shut down", self._health.restarts)
         self._submit.close()  # the scheduler answers what is open with engine_closed, then ends
         if exc is not None:
             self._tg.cancel_scope.cancel()  # the body failed or was cancelled: do not drain
@@ -124,16 +161,42 @@ class Engine:
     async def _supervise(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(serve, "model", self._model_inbox, self._model_actor.handle)
+                await tg.start(partial(serve, "model", self._model_inbox, self._run_step, restart=self._restart_model))
                 await tg.start(self._scheduler_actor.run, self._scheduler_inbox)
+                self._health = Health("ok")
                 task_status.started()
         except Exception as exc:
             # Logged and kept, not raised: raising here would cancel the caller's task before
             # its clients read the Error events the scheduler actor just sent them.
             log.error("engine actors failed; the engine is closed", exc_info=exc)
             self.error = exc
+            if self._health.status != "failed":
+                self._health = Health("failed", f"{type(exc).__name__}: {exc}"[:500], self._health.restarts)
         finally:
             self._submit.close()
+
+    async def _run_step(self, plan: Any) -> Any:
+        result = await self._model_actor.handle(plan)
+        self._consecutive_failures = 0
+        return result
+
+    async def _restart_model(self, exc: Exception) -> bool:
+        """The model actor's restart policy (actor.serve): a fresh actor over the same runner,
+        after restart_delay_s; False (give up) after max_failures failed steps in a row."""
+        self._consecutive_failures += 1
+        reason = f"a model step failed: {type(exc).__name__}: {exc}"[:500]
+        restarts = self._health.restarts
+        if self._consecutive_failures >= self.config.supervision.max_failures:
+            self._health = Health("failed", f"{self._consecutive_failures} model steps failed in a row; "
+                                            f"the last: {reason}", restarts)
+            return False
+        self._health = Health("restarting", reason, restarts + 1)
+        log.error("restarting the model actor (%s)", reason)
+        old, self._model_actor = self._model_actor, self._model_actor.restarted()
+        old.close()
+        await anyio.sleep(self.config.supervision.restart_delay_s)
+        self._health = Health("ok", reason, restarts + 1)
+        return True
 
     def generate(self, request: GenerateRequest) -> RequestStream:
         """The request's events: Accepted, Token..., then Finished; or an Error at any point."""
@@ -143,6 +206,14 @@ class Engine:
         given = [x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        texts = [request.prompt] if request.prompt is not None else [
+            str(value) for m in request.messages or () for value in m.values()]
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("the prompt is not valid Unicode (a lone surrogate); strings must be "
+                                 "Unicode scalar values") from None
         if request.prompt is not None:
             return tuple(self.tokenizer.encode(request.prompt))
         if request.messages is not None:
@@ -151,9 +222,13 @@ class Engine:
         return tuple(int(t) for t in request.prompt_token_ids)
 
     def _closed_error(self, request_id: str) -> Error:
-        if self.error is not None:
-            return Error(request_id, INTERNAL, f"the engine failed: {self.error!r}")
-        return Error(request_id, ENGINE_CLOSED, "the engine is closed")
+        """The answer to a request whose stream ended without a final event: engine_closed only
+        when the engine really is closed."""
+        if self._health.status == "closed":
+            return Error(request_id, ENGINE_CLOSED, "the engine is closed")
+        if self._health.status == "failed" or self.error is not None:
+            return Error(request_id, INTERNAL, f"the engine failed: {self._health.reason or self.error!r}")
+        return Error(request_id, INTERNAL, "the request's event stream ended without a final event")
 
 
 class RequestStream:
@@ -195,8 +270,11 @@ class RequestStream:
             prompt_ids = engine._prompt_ids(request)
         except ValueError as exc:  # bad request shape, bad chat messages or template
             return Error(request.request_id, INVALID_PARAMS, str(exc))
-        # Room for every event the request can produce, so the scheduler never waits on us.
-        send, self._receive = anyio.create_memory_object_stream[Event](request.params.max_tokens + 3)
+        # Room for every event the request can produce (accepted, a token event per token of each
+        # of its n choices, the final event), so the scheduler never waits on us, plus one slot
+        # for a slow_reader error should that bound ever be wrong. Buffers grow as used.
+        p = request.params
+        send, self._receive = anyio.create_memory_object_stream[Event](2 + p.n * p.max_tokens + 1)
         try:
             await engine._submit.tell(Submit(request.request_id, prompt_ids, request.params, send))
         except ActorFailed:

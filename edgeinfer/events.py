@@ -1,7 +1,8 @@
 """What a request's stream yields: frozen plain-data events, msgpack-encodable via to_dict().
 
 The Engine's `generate()` yields exactly one Accepted (or an Error), then Token events, then
-exactly one Finished or Error, and stops. The transport turns each into a wire frame.
+exactly one Finished or Error, and stops. The transport turns each into a wire frame. `Health` is
+what the engine says of itself (the server's /healthz).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ OVERLOADED = "overloaded"
 CANCELLED = "cancelled"
 INTERNAL = "internal_error"
 ENGINE_CLOSED = "engine_closed"
-ERROR_CODES = (PROMPT_TOO_LONG, INVALID_PARAMS, OVERLOADED, CANCELLED, INTERNAL, ENGINE_CLOSED)
+SLOW_READER = "slow_reader"  # the request's events outpaced its reader; it was cancelled
+ERROR_CODES = (PROMPT_TOO_LONG, INVALID_PARAMS, OVERLOADED, CANCELLED, INTERNAL, ENGINE_CLOSED, SLOW_READER)
 
 
 @dataclass(frozen=True)
@@ -99,3 +101,21 @@ class RequestError(Exception):
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Health:
+    """The engine's state: "ok"; "restarting" after a failed model step (requests queue and run
+    once it is back); "failed" after too many failures in a row (requests get internal_error);
+    "closed" once shut down. `reason` names the last failure; `restarts` counts them."""
+
+    status: str
+    reason: str = ""
+    restarts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -86,6 +86,8 @@ class StepResult:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     num_emitted: tuple[int, ...] | None = None  # None: one token per row
     free_device_bytes: int | None = None  # what a step may still allocate (CUDA), read after this one
+    # (seq id, why) for rows whose sampling failed: the scheduler fails their requests alone.
+    failed: tuple[tuple[int, str], ...] = ()
 
     def row_tokens(self) -> list[tuple[int, ...]]:
         """Each row's emitted tokens."""
@@ -108,4 +110,5 @@ class StepResult:
                 tuple((int(t), float(lp)) for t, lp in row) for row in top),
             num_emitted=None if data.get("num_emitted") is None else tuple(data["num_emitted"]),
             free_device_bytes=data.get("free_device_bytes"),
+            failed=tuple((int(seq_id), str(why)) for seq_id, why in data.get("failed", ())),
         )

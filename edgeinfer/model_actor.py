@@ -5,9 +5,11 @@ forward and `copy_blocks`) and of the sampler's random generator. A StepPlan arr
 the actor copies the blocks it names, runs one forward over every chunk, and for the rows that
 ask for it samples a token (n tokens for an n > 1 request's first sample), verifies prompt-lookup
 drafts (accepted drafts plus one token) or lists a beam's best next tokens, and replies a
-StepResult by value. Steps run one at a time on one dedicated thread
-(CUDA's current device, streams and graphs are per-thread state), awaited from an anyio worker
-so the event loop keeps serving clients during a forward pass.
+StepResult by value. A sampling stage that raises is retried row by row, so only the requests
+whose rows fail alone are failed (StepResult.failed); a failing forward fails the whole step,
+which the engine's supervisor answers by restarting this actor (`restarted()`). Steps run one
+at a time on one dedicated thread (CUDA's current device, streams and graphs are per-thread
+state), awaited from an anyio worker so the event loop keeps serving clients during a forward.
 
 Also here: building a runner from a loaded model, its KV pool sized from a memory budget measured
 at start (edgeinfer.device_memory: CUDA, free device memory after the weights are loaded and a
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from typing import Protocol
@@ -31,7 +34,7 @@ from edgeinfer.llm import build_model, graph_batch_sizes
 from edgeinfer.loader import LoadedModel
 from edgeinfer.messages import StepPlan, StepResult
 from edgeinfer.model_runner import ModelRunner, SeqChunk
-from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs
+from edgeinfer.sampler import SampleOutput, SamplingBatch, processed_logits, sample, sampling_probs
 from edgeinfer.speculative import verify_greedy, verify_sampled, verify_uniforms
 from kernels.kv_pool import KVPool, kv_bytes_per_token
 
@@ -58,17 +61,26 @@ class StepRunner(Protocol):
     def free_step_bytes(self) -> int | None: ...
 
 
+Sampler = Callable[[torch.Tensor, SamplingBatch], SampleOutput]  # edgeinfer.sampler.sample's signature
+
+
 class ModelActor:
     """Runs StepPlans on a runner; `handle` is the actor's message handler (see actor.serve)."""
 
     def __init__(self, runner: StepRunner, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 seed: int = 0) -> None:
+                 seed: int = 0, sampler: Sampler = sample) -> None:
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self._seed = seed
+        self._sampler = sampler
         self._generator = torch.Generator().manual_seed(seed)  # unseeded requests draw from it
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeinfer-model")
         self._limiter = anyio.CapacityLimiter(1)  # one step in flight
+
+    def restarted(self) -> ModelActor:
+        """A fresh actor (new worker thread, generator) over the same runner, after a failed step."""
+        return ModelActor(self.runner, self.vocab_size, self.eos_token_ids, self._seed + 1, self._sampler)
 
     async def handle(self, plan: StepPlan) -> StepResult:
         # Not abandoned on cancellation: the step finishes before the actor goes, so nothing
@@ -100,12 +112,12 @@ class ModelActor:
         if not plain and not drafted and not beams:
             return StepResult(plan.step_id, (), ())
         rows: dict[int, list[tuple[tuple[int, ...], float, tuple]]] = {}  # seq index -> (tokens, logprob, top)
-        if plain:
-            self._sample_plain(plan, plain, logits[[ends[i] - 1 for i in plain for _ in plan.seqs[i].choices]], rows)
-        if drafted:
-            self._verify_drafts(plan, drafted, logits, ends, rows)
-        if beams:
-            self._beam_candidates(plan, beams, logits[[ends[i] - 1 for i in beams]], rows)
+        failed: dict[int, str] = {}  # seq id -> why its row failed
+        self._contained(plan, plain, rows, failed, lambda idx, out: self._sample_plain(
+            plan, idx, logits[[ends[i] - 1 for i in idx for _ in plan.seqs[i].choices]], out))
+        self._contained(plan, drafted, rows, failed, lambda idx, out: self._verify_drafts(plan, idx, logits, ends, out))
+        self._contained(plan, beams, rows, failed, lambda idx, out: self._beam_candidates(
+            plan, idx, logits[[ends[i] - 1 for i in idx]], out))
         order = [(plan.seqs[i].seq_id, row) for i in sorted(rows) for row in rows[i]]
         seq_ids = tuple(seq_id for seq_id, _ in order)
         token_ids = tuple(t for _, (tokens, _, _) in order for t in tokens)
@@ -113,7 +125,31 @@ class ModelActor:
         wants_logprobs = bool(beams) or any(plan.seqs[i].params.logprobs is not None for i in plain)
         logprobs = tuple(lp for _, (_, lp, _) in order) if wants_logprobs else None
         top = tuple(t for _, (_, _, t) in order) if wants_logprobs else None
-        return StepResult(plan.step_id, seq_ids, token_ids, logprobs, top, num_emitted)
+        return StepResult(plan.step_id, seq_ids, token_ids, logprobs, top, num_emitted,
+                          failed=tuple(failed.items()))
+
+    def _contained(self, plan: StepPlan, indices: list[int], rows: dict[int, list], failed: dict[int, str],
+                   stage: Callable[[list[int], dict[int, list]], None]) -> None:
+        """Run a sampling stage over its rows at once; if it raises, row by row, so that one
+        request's failure (a bug its parameters reach) fails that request alone."""
+        if not indices:
+            return
+        try:
+            out: dict[int, list] = {}
+            stage(indices, out)
+            rows.update(out)
+            return
+        except Exception:
+            if len(indices) > 1:
+                log.warning("a batched sampling stage failed; retrying its %d rows one by one", len(indices))
+        for i in indices:
+            try:
+                out = {}
+                stage([i], out)
+                rows.update(out)
+            except Exception as exc:
+                log.exception("sampling failed for sequence %d", plan.seqs[i].seq_id)
+                failed[plan.seqs[i].seq_id] = f"sampling failed: {type(exc).__name__}: {exc}"[:500]
 
     def _sample_plain(self, plan: StepPlan, indices: list[int], logits: torch.Tensor,
                       rows: dict[int, list]) -> None:
@@ -125,7 +161,7 @@ class ModelActor:
             choice_indices=[c for i in indices for c in plan.seqs[i].choices],
             device=logits.device, generator=self._generator,
         )
-        out = sample(logits, batch)
+        out = self._sampler(logits, batch)
         token_ids = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(sampled)
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None

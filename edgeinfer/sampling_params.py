@@ -19,11 +19,22 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, NoReturn
 
+# Every field's range, checked here once for every front end (docs/PROTOCOL.md lists them).
+# Ranges are finite so that no value can overflow the sampler's tensors or beam scoring.
+MAX_TEMPERATURE = 100.0  # past ~10 the distribution is already flat; 100 keeps logits / T finite
 MAX_LOGPROBS = 20  # OpenAI's limit on top alternatives
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range [-2, 2]
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # HF's x / r or x * r: 1 is off
+MAX_LENGTH_PENALTY = 10.0  # |alpha|: length ** alpha stays a normal float for any length
+MAX_TOKEN_ID = 2**31 - 1  # ids (top_k too) beyond int32 name no token of any vocabulary
+MAX_TOKENS = 1 << 20  # a static bound; the engine also refuses more than the model's context
+MAX_N = 64  # choices of one request (the scheduler also caps them at max_num_seqs)
 # Bounds on what one client may make every decode step pay for (stop matching is per token).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_BEAM_WIDTH = 16
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (division would overflow anyway)
 
@@ -72,32 +83,35 @@ class SamplingParams:
                      "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 _fail(name, getattr(self, name), "must be a finite number")
-        if self.temperature < 0:
-            _fail("temperature", self.temperature, "must be >= 0 (0 means greedy)")
-        if self.top_k < -1:
-            _fail("top_k", self.top_k, "must be >= 1, or 0 or -1 to turn it off")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            _fail("temperature", self.temperature, f"must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
+        if not -1 <= self.top_k <= MAX_TOKEN_ID:
+            _fail("top_k", self.top_k, "must be >= 1 (at most the vocabulary size), or 0 or -1 to turn it off")
         if not 0 < self.top_p <= 1:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             _fail("min_p", self.min_p, "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                _fail(name, getattr(self, name), "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            _fail("repetition_penalty", self.repetition_penalty, "must be > 0 (1 means off)")
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                _fail(name, getattr(self, name), f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            _fail("repetition_penalty", self.repetition_penalty, f"must be in [{low:g}, {high:g}] (1 means off)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            _fail("logit_bias", len(self.logit_bias), f"has too many entries (at most {MAX_LOGIT_BIAS_ENTRIES})")
         for token_id, bias in self.logit_bias:
-            if token_id < 0:
-                _fail("logit_bias", token_id, "has a negative token id")
+            if not 0 <= token_id <= MAX_TOKEN_ID:
+                _fail("logit_bias", token_id, "has a key that is not a token id")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 _fail("logit_bias", bias, f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             _fail("seed", self.seed, "must fit in 64 bits")
-        if self.n < 1:
-            _fail("n", self.n, "must be >= 1")
+        if not 1 <= self.n <= MAX_N:
+            _fail("n", self.n, f"must be in [1, {MAX_N}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _fail("logprobs", self.logprobs, f"must be null or in [0, {MAX_LOGPROBS}]")
-        if self.max_tokens < 1:
-            _fail("max_tokens", self.max_tokens, "must be >= 1")
+        if not 1 <= self.max_tokens <= MAX_TOKENS:
+            _fail("max_tokens", self.max_tokens, f"must be in [1, {MAX_TOKENS}] (and at most the model's context)")
         if not 0 <= self.min_tokens <= self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -105,13 +119,16 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not 0 < len(text) <= MAX_STOP_STRING_CHARS:
                 _fail("stop", text, f"strings must be non-empty, at most {MAX_STOP_STRING_CHARS} chars")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", len(self.stop_token_ids), f"has too many ids (at most {MAX_STOP_TOKEN_IDS})")
         for token_id in self.stop_token_ids:
-            if token_id < 0:
-                _fail("stop_token_ids", token_id, "has a negative token id")
+            if not 0 <= token_id <= MAX_TOKEN_ID:
+                _fail("stop_token_ids", token_id, "has an id that is not a token id")
         if not 0 <= self.beam_width <= MAX_BEAM_WIDTH:
             _fail("beam_width", self.beam_width, f"must be in [0, {MAX_BEAM_WIDTH}] (0: sampling)")
-        if not math.isfinite(self.length_penalty):
-            _fail("length_penalty", self.length_penalty, "must be a finite number")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            _fail("length_penalty", self.length_penalty,
+                  f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         if self.early_stopping is not True and self.early_stopping is not False and self.early_stopping != "never":
             _fail("early_stopping", self.early_stopping, 'must be true, false or "never"')  # 1 == True: by identity
         if self.beam_width:
@@ -127,7 +144,9 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidParams if a token id names no token of a vocabulary of this size."""
+        """Raise InvalidParams if a token id (or top_k) names no token of a vocabulary of this size."""
+        if self.top_k > vocab_size:
+            _fail("top_k", self.top_k, f"must be at most the vocabulary size {vocab_size} (0 or -1: off)")
         for name, ids in (("logit_bias", [k for k, _ in self.logit_bias]),
                           ("stop_token_ids", self.stop_token_ids)):
             for token_id in ids:
@@ -159,7 +178,9 @@ class SamplingParams:
 
 
 def _fail(name: str, value: Any, problem: str) -> NoReturn:
-    raise InvalidParams(f"{name} {problem}, got {value!r}")
+    big = isinstance(value, int) and abs(value) >= 10**40
+    shown = f"an integer of {len(str(abs(value)))} digits" if big else repr(value)
+    raise InvalidParams(f"{name} {problem}, got {shown[:100]}")
 
 
 def _is_int(value: Any) -> bool:
@@ -172,7 +193,10 @@ def _coerce(name: str, value: Any) -> Any:
     if kind == "float":
         if not (_is_int(value) or isinstance(value, float)):
             _fail(name, value, "must be a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float range: out of every field's range
+            _fail(name, value, "is out of range")
     if kind == "int":
         if not _is_int(value):
             _fail(name, value, "must be an integer")
@@ -199,12 +223,14 @@ def _coerce(name: str, value: Any) -> Any:
     for key, bias_value in value.items():
         if _is_int(key):
             token_id = key
-        elif isinstance(key, str) and key.isdigit():
+        elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
             token_id = int(key)
         else:
             _fail(name, key, "keys must be token ids")
         if not (_is_int(bias_value) or isinstance(bias_value, float)):
             _fail(name, bias_value, "values must be numbers")
+        if _is_int(bias_value) and abs(bias_value) > MAX_LOGIT_BIAS:
+            _fail(name, bias_value, f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         bias[token_id] = float(bias_value)
     return bias
 

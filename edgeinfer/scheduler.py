@@ -63,10 +63,12 @@ from edgeinfer.beam_search import BeamSearchParams, BeamState
 from edgeinfer.block_manager import BlockManager
 from edgeinfer.config import SchedulerConfig
 from edgeinfer.events import (
+    INTERNAL,
     INVALID_PARAMS,
     OVERLOADED,
     PROMPT_TOO_LONG,
     Accepted,
+    Error,
     Event,
     Finished,
     RequestError,
@@ -152,6 +154,7 @@ class Scheduler:
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, namespace)
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.max_seq_len = min(max_model_len, num_blocks * block_size)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -186,6 +189,9 @@ class Scheduler:
             params.check_vocab(self.vocab_size)
         except InvalidParams as exc:
             raise RequestError(INVALID_PARAMS, str(exc)) from None
+        if params.max_tokens > self.max_model_len:
+            raise RequestError(INVALID_PARAMS, f"max_tokens must be at most the model's context of "
+                                               f"{self.max_model_len} tokens, got {params.max_tokens}")
         if not all(0 <= t < self.vocab_size for t in prompt_ids):
             raise RequestError(INVALID_PARAMS, f"prompt token ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.max_seq_len:
@@ -221,14 +227,20 @@ class Scheduler:
         if choices is None:
             return False
         for seq in choices:
-            if seq.finish_reason is not None:
-                continue
-            if seq in self.running:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
-            self._release(seq)
+            if seq.finish_reason is None:
+                self._drop(seq)
         return True
+
+    def fail_request(self, request_id: str, why: str) -> list[Event]:
+        """End a request whose processing failed: its blocks freed, an internal_error for it."""
+        if not self.abort(request_id):
+            return []
+        return [Error(request_id, INTERNAL, why)]
+
+    def fail_step(self, plan: StepPlan, why: str) -> list[Event]:
+        """The model step of `plan` failed: fail every request it carried (others keep going)."""
+        request_ids = dict.fromkeys(self._by_seq[s.seq_id].request_id for s in plan.seqs if s.seq_id in self._by_seq)
+        return [event for request_id in request_ids for event in self.fail_request(request_id, why)]
 
     @property
     def request_ids(self) -> list[str]:
@@ -289,31 +301,43 @@ class Scheduler:
         for row, seq_id in enumerate(result.seq_ids):
             rows.setdefault(seq_id, row)
         row_tokens = result.row_tokens()  # once per step: each row's emitted tokens
+        failed = dict(result.failed)
         events: list[Event] = []
         for step in plan.seqs:
             seq = self._by_seq.get(step.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
-            seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
-            if step.draft_ids:
-                events.extend(self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now))
+            if seq.seq_id in failed:
+                events.extend(self.fail_request(seq.request_id, failed[seq.seq_id]))
                 continue
-            seq.num_computed = step.start_pos + len(step.token_ids)
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-            if not step.sample:
-                continue
-            if step.beam_candidates:
-                assert seq.beam is not None and result.top_logprobs is not None
-                seq.beam.reported[seq.seq_id] = result.top_logprobs[rows[seq.seq_id]]
-                if len(seq.beam.reported) == len(seq.beam.seqs):
-                    events.extend(self._advance_beams(seq.beam, now))
-                continue
-            row = rows[seq.seq_id]  # the first of len(step.choices) rows
-            # Fork before the parent takes its token: children share the prompt, not its output.
-            children = [self._fork(seq, index) for index in step.choices[1:]]
-            for offset, choice in enumerate([seq, *children]):
-                events.extend(self._emit_tokens(choice, row_tokens[row + offset], now,
-                                                self._logprobs(choice, result, row + offset)))
+            try:
+                events.extend(self._apply(seq, step, result, rows, row_tokens, now))
+            except Exception as exc:  # a bug one request's data reaches fails that request alone
+                log.exception("request %s: applying its step failed", seq.request_id)
+                events.extend(self.fail_request(seq.request_id, f"{type(exc).__name__}: {exc}"[:500]))
+        return events
+
+    def _apply(self, seq: SeqState, step: SeqStep, result: StepResult, rows: dict[int, int],
+               row_tokens: list[tuple[int, ...]], now: float) -> list[Event]:
+        """One sequence's share of a step's result."""
+        seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
+        if step.draft_ids:
+            return self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now)
+        seq.num_computed = step.start_pos + len(step.token_ids)
+        self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        if not step.sample:
+            return []
+        if step.beam_candidates:
+            assert seq.beam is not None and result.top_logprobs is not None
+            seq.beam.reported[seq.seq_id] = result.top_logprobs[rows[seq.seq_id]]
+            return self._advance_beams(seq.beam, now) if len(seq.beam.reported) == len(seq.beam.seqs) else []
+        row = rows[seq.seq_id]  # the first of len(step.choices) rows
+        # Fork before the parent takes its token: children share the prompt, not its output.
+        children = [self._fork(seq, index) for index in step.choices[1:]]
+        events: list[Event] = []
+        for offset, choice in enumerate([seq, *children]):
+            events.extend(self._emit_tokens(choice, row_tokens[row + offset], now,
+                                            self._logprobs(choice, result, row + offset)))
         return events
 
     def _emit_verified(self, seq: SeqState, step: SeqStep, tokens: tuple[int, ...], now: float) -> list[Event]:
@@ -563,7 +587,7 @@ class Scheduler:
         if seq.num_slots:
             self.block_manager.free(seq.seq_id)
             seq.num_slots = 0
-        del self._by_seq[seq.seq_id]
+        self._by_seq.pop(seq.seq_id, None)
 
     def _logprobs(self, seq: SeqState, result: StepResult, row: int) -> tuple[TokenLogprob, ...] | None:
         if result.logprobs is None or seq.params.logprobs is None:

@@ -8,10 +8,17 @@ the `stats` snapshot that the Engine reads. Its inbox carries Submit messages fr
 The loop: wait for a submission while idle; take every queued submission; drop each request
 whose client closed its receive stream (freeing its blocks before the next step is planned);
 then `plan = scheduler.schedule(); result = await model.ask(plan); events =
-scheduler.postprocess(plan, result)` and send the events. Event streams are sized to hold every
-event of a request, so sending never waits on a slow client. However the loop ends (inbox closed,
-model failure, a bug here, cancellation) every open request is answered with an Error event and
-its stream closed: engine_closed for an orderly shutdown, internal_error otherwise.
+scheduler.postprocess(plan, result)` and send the events. A failed model step (ActorFailed: the
+engine's supervisor is restarting the model actor) fails the requests that step carried and the
+loop goes on; the next ask waits in the model's mailbox until the actor is back. A submission
+that raises fails that request alone. Event streams are sized to hold every event of a request
+(plus one slot held back for a slow_reader error, should a reader fall that far behind), so
+sending never waits on a slow client. However the loop ends (inbox closed, a bug here,
+cancellation) every open request is answered with an Error event and its stream closed:
+engine_closed for an orderly shutdown, internal_error otherwise.
+
+This actor is where the engine keeps a request's event order: one Accepted (or an Error) first,
+and at most one final event, after which its stream is closed and forgotten.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from edgeinfer.actor import ActorRef, Envelope
-from edgeinfer.events import ENGINE_CLOSED, INTERNAL, Error, Event, Finished, RequestError, Token
+from edgeinfer.actor import ActorFailed, ActorRef, Envelope
+from edgeinfer.events import ENGINE_CLOSED, INTERNAL, SLOW_READER, Error, Event, Finished, RequestError, Token
 from edgeinfer.sampling_params import SamplingParams
 from edgeinfer.scheduler import Scheduler
 
@@ -98,8 +105,14 @@ class SchedulerActor:
         plan = self.scheduler.schedule()
         # Cannot be empty: a waiting request is always admitted when nothing runs.
         assert plan.seqs, "the scheduler planned an empty step while it has work"
-        result = await self._model.ask(plan)
-        events = self.scheduler.postprocess(plan, result)
+        try:
+            result = await self._model.ask(plan)
+        except ActorFailed as exc:
+            cause = exc.__cause__ or exc
+            why = f"the model step running this request failed ({type(cause).__name__}: {cause})"
+            events = self.scheduler.fail_step(plan, why[:500])
+        else:
+            events = self.scheduler.postprocess(plan, result)
         for event in events:
             self._send(event)
         self._num_steps += 1
@@ -111,6 +124,11 @@ class SchedulerActor:
             accepted = self.scheduler.add_request(msg.request_id, msg.prompt_ids, msg.params)
         except RequestError as exc:
             _send_final(msg.events, Error(msg.request_id, exc.code, exc.message, exc.retry_after_s))
+            return
+        except Exception as exc:  # a bug this request reached: it alone fails
+            log.exception("request %s: admission failed", msg.request_id)
+            self.scheduler.abort(msg.request_id)
+            _send_final(msg.events, Error(msg.request_id, INTERNAL, f"{type(exc).__name__}: {exc}"[:500]))
             return
         self._streams[msg.request_id] = msg.events
         self._send(accepted)
@@ -138,17 +156,22 @@ class SchedulerActor:
     def _send(self, event: Event) -> None:
         stream = self._streams.get(event.request_id)
         if stream is None:
-            return
+            return  # already ended (a request's first final event is its only one)
+        final = isinstance(event, (Finished, Error))
+        buffer = stream.statistics()
+        if not final and buffer.current_buffer_used >= buffer.max_buffer_size - 1:
+            # Sized to hold every event, so the reader must have stopped reading: end the request
+            # with the slot held back for this, never by waiting on it.
+            log.warning("request %s: %d events unread, cancelling it", event.request_id, buffer.current_buffer_used)
+            event, final = Error(event.request_id, SLOW_READER, f"{buffer.current_buffer_used} events were "
+                                 "not read; the request was cancelled"), True
+            self.scheduler.abort(event.request_id)
         try:
             stream.send_nowait(event)
         except anyio.BrokenResourceError:  # the client went away
             self._drop(event.request_id)
             return
-        except anyio.WouldBlock:  # cannot happen with streams sized by max_tokens; never wait
-            log.warning("request %s: event stream full, cancelling it", event.request_id)
-            self._drop(event.request_id)
-            return
-        if isinstance(event, (Finished, Error)):
+        if final:
             self._streams.pop(event.request_id).close()
 
     def _answer_all(self, code: str, inbox: MemoryObjectReceiveStream[Envelope[Submit]]) -> None:

@@ -10,7 +10,7 @@ from test_scheduler import VOCAB, FakeRunner, Letters, expected_tokens
 
 from edgeinfer.actor import ActorFailed, mailbox, serve
 from edgeinfer.config import ModelConfig, SchedulerConfig
-from edgeinfer.engine import Engine, GenerateRequest
+from edgeinfer.engine import Engine, GenerateRequest, SupervisionConfig
 from edgeinfer.events import ENGINE_CLOSED, INTERNAL, Accepted, Error, Finished, Token
 from edgeinfer.sampling_params import SamplingParams
 
@@ -125,7 +125,9 @@ async def test_cancel_frees_blocks_before_next_step_even_mid_prefill() -> None:
             assert engine.stats().num_running == 0 and engine.stats().kv_blocks_used == 0
 
 
-async def test_actor_failure_answers_every_open_stream() -> None:
+async def test_model_that_keeps_failing_fails_its_requests_then_the_engine() -> None:
+    """Every open stream gets exactly one internal_error; a model step failing max_failures times
+    in a row (here 2) makes the supervisor give up: health "failed", later requests refused."""
     fail = threading.Event()
 
     def on_step(chunks) -> None:  # noqa: ANN001
@@ -136,19 +138,29 @@ async def test_actor_failure_answers_every_open_stream() -> None:
     results: dict[str, list] = {}
 
     async def client(engine: Engine, rid: str) -> None:
-        results[rid] = await collect(engine, GenerateRequest(rid, prompt="ab", params=greedy(100)))
+        results[rid] = await collect(engine, GenerateRequest(rid, prompt="ab", params=greedy(20)))
 
+    engine = Engine.from_runner(runner, FakeTokenizer(), CONFIG, SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=8, kv_watermark=0.0),
+        supervision=SupervisionConfig(restart_delay_s=0.0, max_failures=2))
     with anyio.fail_after(10):
-        async with fake_engine(runner) as engine:
+        async with engine:
             async with anyio.create_task_group() as tg:
                 for rid in ("x", "y", "z"):
                     tg.start_soon(client, engine, rid)
                 while engine.stats().num_generated_tokens < 6:
                     await anyio.sleep(0.001)
                 fail.set()
-            assert isinstance(engine.error, Exception)
+            assert engine.health().restarts == 1 and engine.error is None  # one failure: restarted
+            second = await collect(engine, GenerateRequest("second", prompt="a", params=greedy(3)))
+            assert isinstance(second[0], Accepted) and second[-1].code == INTERNAL
+            with anyio.fail_after(5):
+                while engine.error is None:
+                    await anyio.sleep(0.001)
+            assert engine.health().status == "failed" and "2 model steps failed" in engine.health().reason
             late = await collect(engine, GenerateRequest("late", prompt="a"))
-            assert late[0].code == INTERNAL
+            assert [type(e) for e in late] == [Error] and late[0].code == INTERNAL
     for rid in ("x", "y", "z"):
         assert isinstance(results[rid][-1], Error) and results[rid][-1].code == INTERNAL, results[rid][-1]
+        assert "boom in the model" in results[rid][-1].message
         assert sum(isinstance(e, (Error, Finished)) for e in results[rid]) == 1

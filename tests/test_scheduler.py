@@ -141,11 +141,13 @@ def tokens_of(events: list) -> list[int]:
 
 def test_messages_round_trip_msgpack() -> None:
     sched, model = make()
-    sched.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, logit_bias={3: 1.5}, stop=["x"]))
+    sched.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, logit_bias={3: 1.5}, stop=["x"],
+                                                            max_tokens=8))
     plan = sched.schedule()
     assert StepPlan.from_dict(msgpack.unpackb(msgpack.packb(asdict(plan)))) == plan
     result = model.execute(plan)
-    result = StepResult(result.step_id, result.seq_ids, result.token_ids, (-0.5,), (((7, -0.5), (3, -2.0)),))
+    result = StepResult(result.step_id, result.seq_ids, result.token_ids, (-0.5,), (((7, -0.5), (3, -2.0)),),
+                        failed=((4, "sampling failed: ValueError: x"),))
     assert StepResult.from_dict(msgpack.unpackb(msgpack.packb(asdict(result)))) == result
 
 

@@ -13,7 +13,6 @@ import hmac
 import os
 import secrets
 from pathlib import Path
-from urllib.parse import urlsplit
 
 CONFIG_ENV = "EDGEINFER_CONFIG_DIR"
 TOKEN_FILE = "token"
@@ -83,11 +82,11 @@ def host_allowed(host_header: str | None, hosts: frozenset[str]) -> bool:
 
 def origin_allowed(origin: str | None, host_header: str | None, hosts: frozenset[str],
                    extra_origins: tuple[str, ...] = ()) -> bool:
-    """No Origin: not a browser (the token still guards). Else it must be this server's own page."""
+    """No Origin: not a browser (the token still guards). Else it must be this server's own page,
+    exactly `http://<Host>` (the server speaks no TLS, so an https origin is another site)."""
     if origin is None:
         return True
     if origin in extra_origins:
         return True
-    parts = urlsplit(origin)
-    return (parts.scheme in ("http", "https") and parts.netloc.lower() in hosts
-            and parts.netloc.lower() == (host_header or "").lower())
+    host = (host_header or "").lower()
+    return host in hosts and origin.lower() == f"http://{host}"

@@ -44,7 +44,7 @@ class Client:
         self.errors: asyncio.Queue[dict[str, Any]] = asyncio.Queue()  # events with no request id
         self._streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._abandoned: set[str] = set()  # streams left early: drop their events until the terminal one
-        self._status: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._status: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._ids = itertools.count(1)
         self._reader: asyncio.Task[None] | None = None
 
@@ -79,6 +79,7 @@ class Client:
             reason = f"connection closed ({self.ws.close_code} {self.ws.close_reason or ''})".strip()
             for rid, queue in self._streams.items():
                 queue.put_nowait({"type": "error", "id": rid, "code": "connection_closed", "message": reason})
+            self._status.put_nowait(None)  # and a status() waiting for its answer
 
     async def send(self, message: Mapping[str, Any]) -> None:
         """Send one raw protocol message (for tests and tools); prefer generate/chat/cancel."""
@@ -122,7 +123,12 @@ class Client:
 
     async def status(self, request_id: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
         await self.send({"type": "status", "id": request_id})
-        return await asyncio.wait_for(self._status.get(), timeout_s)
+        status = await asyncio.wait_for(self._status.get(), timeout_s)
+        if status is None:  # the connection closed before the answer came
+            await self.ws.wait_closed()
+            self._status.put_nowait(None)  # for the next caller too
+            raise self.ws.protocol.close_exc
+        return status
 
     async def close(self) -> None:
         await self.ws.close()

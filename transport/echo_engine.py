@@ -24,6 +24,7 @@ from edgeinfer.events import (
     Error,
     Event,
     Finished,
+    Health,
     Token,
     Usage,
 )
@@ -75,6 +76,9 @@ class EchoEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         return None
+
+    def health(self) -> Health:
+        return Health("ok")
 
     def stats(self) -> dict[str, Any]:
         return {"num_running": self._running, "num_waiting": len(self._waiting),

@@ -38,7 +38,6 @@ HELLO_REQUIRED = "hello_required"
 DUPLICATE_ID = "duplicate_id"
 UNKNOWN_ID = "unknown_id"
 TOO_MANY_REQUESTS = "too_many_requests"
-SLOW_READER = "slow_reader"  # the client read too slowly; its request was cancelled
 SHUTTING_DOWN = "shutting_down"
 FATAL_CODES = frozenset({UNSUPPORTED_VERSION, UNAUTHORIZED, HELLO_REQUIRED})
 
@@ -110,6 +109,7 @@ def parse_frame(data: str | bytes, max_bytes: int) -> ClientMessage:
     if size > max_bytes:
         raise ProtocolError(FRAME_TOO_LARGE, f"frame of {size} bytes exceeds the limit of {max_bytes}")
     obj = _decode(data)
+    _check_strings(obj)
     if not isinstance(obj, Mapping):
         raise ProtocolError(BAD_FRAME, f"a frame must be an object, got {_kind(obj)}")
     # The id first, so that every later error can name the request it belongs to.
@@ -139,6 +139,43 @@ def _decode(data: str | bytes) -> Any:
         return msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
         raise ProtocolError(BAD_FRAME, f"binary frame is not valid msgpack: {str(exc)[:200]}") from None
+
+
+def _check_strings(obj: Any) -> None:
+    """Every string (keys too) must be valid Unicode: JSON's \\ud800 escapes decode to lone
+    surrogates, which no UTF-8 frame can carry back (echoing one in an error would fail the
+    connection) and no tokenizer takes. Iterative: nesting depth is bounded by the decoders."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                raise ProtocolError(INVALID_MESSAGE, f"{_where(path)} is not valid Unicode (a lone surrogate "
+                                    f"such as {_first_surrogate(value)}); strings must be Unicode scalar values")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_unicode(key):
+                    raise ProtocolError(INVALID_MESSAGE, f"a field name in {_where(path)} is not valid Unicode "
+                                        f"(a lone surrogate such as {_first_surrogate(key)})")
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_surrogate(text: str) -> str:
+    return next(f"U+{ord(c):04X}" for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+
+
+def _where(path: str) -> str:
+    return f"field {ascii(path)[1:-1][:80]!r}" if path else "the frame"
 
 
 def _reject_constant(name: str) -> Any:

@@ -6,8 +6,16 @@ and puts frames into the connection's bounded outbox without ever waiting on the
 slow reader can neither stall the engine nor other clients: when its outbox is full the request
 is closed (which frees its KV blocks in the engine) and answered with `slow_reader`. Closing a
 request's event stream is the only way a request is cancelled: on `cancel`, on disconnect and
-on shutdown alike. Plain HTTP on the same port (websockets' process_request hook): `/healthz`,
-`/metrics` (Prometheus text) and the chat page at `/`.
+on shutdown alike. Plain HTTP on the same port (websockets' process_request hook): `/healthz`
+(the engine's health: 200, or 503 with the reason), `/metrics` (Prometheus text) and the chat
+page at `/`.
+
+A request's life cycle (docs/PROTOCOL.md), enforced here and only here: its first frame is
+`accepted` or a terminal `error`; tokens follow `accepted`; exactly one terminal frame (`done` or
+`error`) ends it, queued by `_Connection._end`, which also frees the id in the same breath, so
+the id is reusable by the time the client reads that frame. A `cancel` that arrives before the
+engine has answered is held until it does (the request is then cancelled at once), so even a
+request cancelled a millisecond after it was sent gets `accepted`, then `done` (cancelled).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from edgeinfer.events import Accepted, Error, Event, Finished, RequestError, Token
+from edgeinfer.events import SLOW_READER, Accepted, Error, Event, Finished, Health, RequestError, Token
 from edgeinfer.sampling_params import SamplingParams
 from transport import auth
 from transport import protocol as wire
@@ -76,6 +84,8 @@ class EngineLike(Protocol):
     def generate(self, request: Any) -> AsyncIterator[Event]: ...
 
     def stats(self) -> Any: ...
+
+    def health(self) -> Health: ...
 
 
 # (engine request id, prompt, prompt_token_ids, messages, params) -> the engine's request object
@@ -165,7 +175,10 @@ class Server:
             self.counters["refused_host"] += 1
             return connection.respond(HTTPStatus.FORBIDDEN, "Host header does not name this server\n")
         if path == "/healthz":
-            return connection.respond(HTTPStatus.OK, "ok\n")
+            health = self.engine.health()
+            if health.ok:
+                return connection.respond(HTTPStatus.OK, "ok\n")
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{health.status}: {health.reason}\n")
         if path == "/metrics":
             response = connection.respond(HTTPStatus.OK, self.metrics_text())
             _set_header(response.headers, "Content-Type", "text/plain; version=0.0.4; charset=utf-8")
@@ -283,14 +296,15 @@ class _Outbox:
 
 @dataclass
 class _RequestState:
-    """Mutable, but written only by the request's own pump task (and read by `status`)."""
+    """Mutable, written by the request's pump task, and by `_cancel` (cancel_requested only)."""
 
     task: asyncio.Task[None] | None = None
     state: str = "submitted"  # submitted | queued | running
     queue_position: int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    ended: bool = False  # a done/error frame was queued
+    cancel_requested: bool = False  # a cancel came before `accepted`: honoured when it comes
+    ended: bool = False  # its terminal frame is queued and its id free
 
 
 class _Connection:
@@ -303,6 +317,7 @@ class _Connection:
         self.binary = False  # answer in the encoding of the hello frame
         self.outbox = _Outbox(self.config.send_queue_frames)
         self.requests: dict[str, _RequestState] = {}
+        self.closing = False  # a fatal error was answered: later frames are not read
 
     async def run(self) -> None:
         writer = asyncio.create_task(self._write_loop())
@@ -361,6 +376,17 @@ class _Connection:
                                "max_requests": self.config.max_requests_per_connection}})
         return True
 
+    def _close_after(self, code: str, message: str) -> None:
+        """Answer a fatal error, then close with 1008 once the frames before it are out."""
+        self.closing = True
+        self._send_error(code, message, force=True)
+
+        async def close() -> None:
+            await self._flush(timeout_s=1.0)
+            await self.ws.close(CLOSE_POLICY, code)
+
+        asyncio.get_running_loop().create_task(close())
+
     async def _refuse(self, code: str, message: str, binary: bool) -> None:
         self.server.counters[f"error:{code}"] += 1
         with contextlib.suppress(ConnectionClosed):
@@ -376,11 +402,16 @@ class _Connection:
         self._send(wire.error_to_wire(code, message, request_id, retry_after_s), force)
 
     def _on_frame(self, frame: str | bytes) -> None:
+        if self.closing:
+            return
         try:
             try:
                 msg = wire.parse_frame(frame, self.config.max_frame_bytes)
             except wire.ProtocolError as exc:
-                self._send_error(exc.code, exc.message, exc.request_id)
+                if exc.fatal:  # a second hello with another version: as at the first hello
+                    self._close_after(exc.code, exc.message)
+                else:
+                    self._send_error(exc.code, exc.message, exc.request_id)
                 return
             if isinstance(msg, (wire.Generate, wire.Chat)):
                 self._start(msg)
@@ -425,23 +456,23 @@ class _Connection:
             async with contextlib.aclosing(self.server.engine.generate(request)) as events:
                 async for event in events:
                     self._on_event(client_id, event, state)
-                    if state.ended:
-                        break
+                    if state.ended or (state.cancel_requested and state.state != "submitted"):
+                        break  # leaving the block closes the stream: the engine frees the request
         except _SlowReader:
-            self._end_with_error(state, wire.SLOW_READER, "the client read too slowly; request cancelled "
-                                 f"after {self.config.send_queue_frames} unsent frames", client_id)
+            self._end(client_id, state, wire.error_to_wire(
+                SLOW_READER, "the client read too slowly; request cancelled after "
+                f"{self.config.send_queue_frames} unsent frames", client_id), SLOW_READER)
         except RequestError as exc:
-            self._end_with_error(state, exc.code, exc.message, client_id, exc.retry_after_s)
+            self._end(client_id, state, wire.error_to_wire(exc.code, exc.message, client_id, exc.retry_after_s),
+                      exc.code)
         except Exception as exc:  # an engine failure ends this request, never the server
             log.exception("request %s failed", client_id)
-            self._end_with_error(state, "internal_error", f"{type(exc).__name__}: {exc}", client_id)
-        finally:
-            if not state.ended:  # cancelled: by the client's `cancel`, a disconnect or shutdown
-                state.ended = True
-                self._send({"type": "done", "id": client_id, "finish_reason": "cancelled",
-                            "usage": {"prompt_tokens": state.prompt_tokens,
-                                      "completion_tokens": state.completion_tokens}}, force=True)
-            self.requests.pop(client_id, None)
+            self._end(client_id, state, wire.error_to_wire("internal_error", f"{type(exc).__name__}: {exc}",
+                                                           client_id), "internal_error")
+        finally:  # not ended: cancelled (by `cancel`, a disconnect or shutdown)
+            self._end(client_id, state, {"type": "done", "id": client_id, "finish_reason": "cancelled",
+                                         "usage": {"prompt_tokens": state.prompt_tokens,
+                                                   "completion_tokens": state.completion_tokens}})
 
     def _on_event(self, client_id: str, event: Event, state: _RequestState) -> None:
         if isinstance(event, Accepted):
@@ -451,24 +482,32 @@ class _Connection:
             state.state, state.queue_position = "running", 0
             state.completion_tokens += len(event.token_ids)
             self.server.counters["tokens_streamed"] += len(event.token_ids)
-        terminal = isinstance(event, (Finished, Error))
-        if isinstance(event, Error):
-            self.server.counters[f"error:{event.code}"] += 1
-        self._send(wire.event_to_wire(event, client_id), force=terminal)
-        state.ended = terminal
+        if isinstance(event, (Finished, Error)):
+            self._end(client_id, state, wire.event_to_wire(event, client_id),
+                      event.code if isinstance(event, Error) else None)
+        else:
+            self._send(wire.event_to_wire(event, client_id))
 
-    def _end_with_error(self, state: _RequestState, code: str, message: str, client_id: str,
-                        retry_after_s: float | None = None) -> None:
-        if not state.ended:
-            state.ended = True
-            self._send_error(code, message, client_id, retry_after_s, force=True)
+    def _end(self, client_id: str, state: _RequestState, frame: Mapping[str, Any],
+             error_code: str | None = None) -> None:
+        """The one place a request ends: its terminal frame, once, and its id freed with it."""
+        if state.ended:
+            return
+        state.ended = True
+        if error_code is not None:
+            self.server.counters[f"error:{error_code}"] += 1
+        self._send(frame, force=True)
+        if self.requests.get(client_id) is state:
+            del self.requests[client_id]
 
     def _cancel(self, client_id: str) -> None:
         state = self.requests.get(client_id)
         if state is None or state.task is None:
             self._unknown_id(client_id)
-            return
-        state.task.cancel()  # the pump's finally answers `done` with finish_reason "cancelled"
+        elif state.state == "submitted":
+            state.cancel_requested = True  # the pump cancels it as soon as the engine answers
+        else:
+            state.task.cancel()  # the pump's finally answers `done` with finish_reason "cancelled"
 
     def _status(self, client_id: str | None) -> None:
         if client_id is not None and client_id not in self.requests:
