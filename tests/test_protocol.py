@@ -73,6 +73,14 @@ def test_valid_messages_parse_the_same_from_json_and_msgpack(binary):
     ('{"type": "generate", "id": "x", "prompt": "a", "params": [1]}', "invalid_params", "object"),
     ('{"type": "hello", "version": "edgeinfer/0"}', wire.UNSUPPORTED_VERSION, "edgeinfer/0"),
     ('{"type": "hello", "version": "edgeinfer/1", "token": 5}', wire.INVALID_MESSAGE, "'token'"),
+    # Lone surrogates (JSON escapes decode to them) in an id, a field name, a prompt, a nested value.
+    ('{"type": "cancel", "id": "a\\ud800"}', wire.INVALID_MESSAGE, "field 'id' is not valid Unicode"),
+    ('{"type": "status", "\\udc00x": 1}', wire.INVALID_MESSAGE, "a field name in the frame"),
+    ('{"type": "generate", "id": "x", "prompt": "hi \\ud83d"}', wire.INVALID_MESSAGE, "'prompt'"),
+    ('{"type": "chat", "id": "x", "messages": [{"role": "user", "content": "\\udfff"}]}', wire.INVALID_MESSAGE,
+     "'messages[0].content'"),
+    ('{"type": "generate", "id": "x", "prompt": "a", "params": {"stop": ["\\ud800"]}}', wire.INVALID_MESSAGE,
+     "U+D800"),
 ])
 def test_bad_frames_name_the_problem(frame, code, words):
     err = error_of(frame)

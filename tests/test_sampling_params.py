@@ -34,6 +34,16 @@ def test_defaults_are_valid_and_not_greedy():
     ({"seed": 2**64}, ["seed"]),
     ({"early_stopping": 1}, ["early_stopping", "never"]),  # 1 == True, but not a bool
     ({"early_stopping": "always"}, ["early_stopping", "always"]),
+    # Issue #19: values that used to pass and then kill the engine (an overflow in the sampler, a
+    # division by zero in beam scoring).
+    ({"top_k": 2**63}, ["top_k", "9223372036854775808"]),
+    ({"top_k": 10**30}, ["top_k", str(10**30)]),
+    ({"length_penalty": 1e308, "beam_width": 2}, ["length_penalty", "1e+308"]),
+    ({"length_penalty": -1e308, "beam_width": 2}, ["length_penalty", "-1e+308"]),
+    ({"temperature": 1e308}, ["temperature", "1e+308"]),
+    ({"repetition_penalty": 1e-300}, ["repetition_penalty"]),
+    ({"n": 65}, ["n", "65"]),
+    ({"max_tokens": 2**64}, ["max_tokens", str(2**64)]),
 ])
 def test_bad_values_name_field_and_value(kwargs, words):
     with pytest.raises(InvalidParams) as info:
@@ -98,3 +108,6 @@ def test_vocab_check():
         SamplingParams.from_dict({"logit_bias": {"100": 1}}, vocab_size=100)
     with pytest.raises(InvalidParams, match="stop_token_ids.*100"):
         SamplingParams(stop_token_ids=[100]).check_vocab(100)
+    with pytest.raises(InvalidParams, match="top_k.*100.*got 101"):
+        SamplingParams(top_k=101).check_vocab(100)
+    SamplingParams(top_k=100).check_vocab(100)

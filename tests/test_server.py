@@ -227,14 +227,34 @@ def test_foreign_origin_and_rebinding_host_are_refused():
             own = f"http://127.0.0.1:{server.port}"
             async with connect(server.url, TOKEN, origin=own) as client:
                 assert client.welcome["type"] == "welcome"
-            for origin in ("http://evil.example", f"http://localhost:{server.port}", "null"):
+            for origin in ("http://evil.example", f"http://localhost:{server.port}", "null",
+                           f"https://127.0.0.1:{server.port}", f"http://127.0.0.1:{server.port}/"):
                 with pytest.raises(InvalidStatus) as info:
                     await connect(server.url, TOKEN, origin=origin)
                 assert info.value.response.status_code == 403
             # DNS rebinding: evil.example resolving to 127.0.0.1 gives Host == Origin == evil.example.
             status, _, _ = await http_get(server.port, "/", host=f"evil.example:{server.port}")
             assert status == 403
-            assert server.counters["refused_origin"] == 3
+            assert server.counters["refused_origin"] == 5
+
+    run(main())
+
+
+def test_a_second_hello_with_another_version_closes_1008():
+    """As at the first hello: answered with unsupported_version, then closed (PROTOCOL.md)."""
+    async def main():
+        async with echo_server() as server, ws_connect(server.url) as ws:
+            async def say(version: str) -> dict:
+                await ws.send(json.dumps({"type": "hello", "version": version, "token": TOKEN}))
+                return json.loads(await ws.recv())
+
+            assert (await say("edgeinfer/1"))["type"] == "welcome"
+            assert (await say("edgeinfer/1"))["code"] == wire.INVALID_MESSAGE  # once only, but harmless
+            answer = await say("edgeinfer/2")
+            assert answer["type"] == "error" and answer["code"] == wire.UNSUPPORTED_VERSION
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            assert ws.close_code == 1008 and ws.close_reason == wire.UNSUPPORTED_VERSION
 
     run(main())
 
