@@ -1,7 +1,7 @@
 """The C++ AVX2 CPU ops (kernels/cpu/*.cpp): build, load, weight layout and the Python calls.
 
 Owns the ops' life cycle: compiled once per source and torch version with the machine's C++
-compiler (torch.utils.cpp_extension, ~40 s) into the cache folder (edgeinfer.pull.cache_dir,
+compiler (torch.utils.cpp_extension, ~40 s) into the cache folder (edgeinfer.models.pull.cache_dir,
 under ``kernels/``), then loaded from there. ``available()`` says whether this machine can run
 them (an x86 CPU that torch runs at AVX2 or better, a working compiler;
 ``EDGEINFER_CPU_KERNEL=torch`` turns them off); where not, callers use their torch path.
@@ -199,14 +199,20 @@ def available() -> bool:
     return True
 
 
-def _load() -> None:
-    from edgeinfer.pull import cache_dir
+def _library_dir() -> Path:
+    """Where compiled libraries are kept: kernels/ under edgeinfer's cache directory (the lookup
+    of edgeinfer.models.pull.cache_dir, repeated here because kernels/ sits below edgeinfer/)."""
+    if os.environ.get("EDGEINFER_CACHE"):
+        return Path(os.environ["EDGEINFER_CACHE"]).expanduser() / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgeinfer" / "kernels"
 
+
+def _load() -> None:
     sources = sorted(SOURCE_DIR.glob("*.cpp"))
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(_FLAGS).encode())
     for path in sorted(SOURCE_DIR.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    library = cache_dir() / "kernels" / f"{_LIBRARY}-{digest.hexdigest()[:16]}.so"
+    library = _library_dir() / f"{_LIBRARY}-{digest.hexdigest()[:16]}.so"
     if library.is_file():
         torch.ops.load_library(str(library))
         return

@@ -8,14 +8,12 @@ Layout per layer and per K / V (``KVCache``), ``N = num_blocks``, ``B = block_si
   (N, B, num_kv_heads, head_dim // 32)
 
 A token's slot is ``block_id * block_size + offset``. Which blocks a sequence owns is decided by
-edgeinfer.block_manager (the only allocator); this class never allocates blocks, it only stores
+edgeinfer.core.block_manager (the only allocator); this class never allocates blocks, it only stores
 bytes. Writer: the model actor, which owns the pool, through ``write`` and ``copy_blocks``;
 attention kernels only read it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -23,25 +21,13 @@ from kernels.kv_quant import (
     INT4_GROUP,
     PLAIN_DTYPES,
     SCALE_DTYPE,
+    KVCache,
     QuantizedKV,
     check_kv_dtype,
     dequantize_kv,
     kv_bytes_per_element,
+    quantize_kv,
 )
-from kernels.paged_attention import write_kv_cache_reference
-
-
-@dataclass(frozen=True)
-class KVCache:
-    """One layer's K or V storage; shapes in the module docstring."""
-
-    kv_dtype: str
-    data: torch.Tensor
-    scale: torch.Tensor | None = None
-    zero: torch.Tensor | None = None
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for t in (self.data, self.scale, self.zero) if t is not None)
 
 
 def kv_bytes_per_token(
@@ -69,6 +55,24 @@ def _empty_cache(kv_dtype: str, shape: tuple[int, int, int, int], device: torch.
         torch.zeros(groups, dtype=SCALE_DTYPE, device=device),
         torch.zeros(groups, dtype=SCALE_DTYPE, device=device),
     )
+
+
+def write_kv_cache_reference(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: KVCache, v_cache: KVCache
+) -> None:
+    """Torch: the same as write_kv_cache (the production path off CUDA)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    slots = slot_mapping.long()
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if cache.scale is None:  # plain dtype: one copy, no quantization (the CPU default)
+            cache.data.view(-1, *cache.data.shape[2:]).index_copy_(0, slots, x.to(cache.data.dtype))
+            continue
+        q = quantize_kv(x, cache.kv_dtype)
+        for dst, src in ((cache.data, q.data), (cache.scale, q.scale), (cache.zero, q.zero)):
+            if dst is not None:
+                    dst.view(-1, *dst.shape[2:])[slots] = src  # (num_blocks * block_size, Hkv, ...)
 
 
 class KVPool:

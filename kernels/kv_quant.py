@@ -42,6 +42,19 @@ class QuantizedKV:
     zero: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class KVCache:
+    """One layer's K or V storage; shapes in the module docstring."""
+
+    kv_dtype: str
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.data, self.scale, self.zero) if t is not None)
+
+
 def check_kv_dtype(kv_dtype: str, head_dim: int) -> None:
     """Raise ValueError when ``kv_dtype`` is unknown or cannot store ``head_dim`` channels."""
     if kv_dtype not in KV_DTYPES:

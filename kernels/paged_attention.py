@@ -1,10 +1,11 @@
-"""Attention over the paged, quantized KV pool: cache write, decode, and chunked-prefill attention.
+"""Attention over the paged, quantized KV pool: decode and chunked-prefill attention.
 
 Entry points (one dispatch each: Triton on CUDA, the vectorised torch path elsewhere,
 ``use_triton=True`` forces Triton, e.g. under TRITON_INTERPRET=1; on AVX2 CPUs decode over plain
 caches runs kernels.cpu_ops' C++ op, which the torch path is the reference for):
 
-- ``write_kv_cache``: quantize new K/V (T, Hkv, D) and scatter them into slots (KVPool.write).
+- (writing the cache, KVPool.write: kernels.kv_pool.write_kv_cache_reference, the Triton
+  write_kv_cache on CUDA) quantizes new K/V (T, Hkv, D) and scatters them into slots.
 - ``paged_decode_attention``: one query token per sequence, q (S, Hq, D).
 - ``paged_prefill_attention``: varlen new tokens q (total, Hq, D), sequence i's rows are
   ``query_start_loc[i]:query_start_loc[i + 1]`` and sit at the end of its context, causal.
@@ -36,33 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
-from kernels.kv_quant import QuantizedKV, dequantize_kv, quantize_kv
+from kernels.kv_quant import QuantizedKV, dequantize_kv
 
 if TYPE_CHECKING:
-    from kernels.kv_pool import KVCache, KVPool
-
-
-# ----------------------------------------------------------------------------------------------
-# Cache write
-# ----------------------------------------------------------------------------------------------
-
-
-def write_kv_cache_reference(
-    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: KVCache, v_cache: KVCache
-) -> None:
-    """Torch: the same as write_kv_cache (the production path off CUDA)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    slots = slot_mapping.long()
-    for x, cache in ((k, k_cache), (v, v_cache)):
-        if cache.scale is None:  # plain dtype: one copy, no quantization (the CPU default)
-            cache.data.view(-1, *cache.data.shape[2:]).index_copy_(0, slots, x.to(cache.data.dtype))
-            continue
-        q = quantize_kv(x, cache.kv_dtype)
-        for dst, src in ((cache.data, q.data), (cache.scale, q.scale), (cache.zero, q.zero)):
-            if dst is not None:
-                    dst.view(-1, *dst.shape[2:])[slots] = src  # (num_blocks * block_size, Hkv, ...)
+    from kernels.kv_pool import KVPool
 
 
 # ----------------------------------------------------------------------------------------------

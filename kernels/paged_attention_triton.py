@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from kernels.kv_pool import KVCache
+    from kernels.kv_quant import KVCache
 
 _FORMAT_CODES = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "int4": 2}
 _LOG2E = 1.4426950408889634

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer import Tokenizer
 from quant.formats import QuantizedTensor, pack_int4
 
 Weight = torch.Tensor | QuantizedTensor

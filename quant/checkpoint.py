@@ -30,12 +30,11 @@ import shutil
 import struct
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.tokenizer import Tokenizer
 from quant.formats import QuantizedTensor
 from quant.gguf_import import ModelFileError, check_weights
 
@@ -43,6 +42,13 @@ FORMAT_NAME = "edgeinfer"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 _RESERVED_KEYS = ("format", "format_version")
+
+
+class TokenizerFiles(Protocol):
+    """What a checkpoint needs of a tokenizer (edgeinfer.models.tokenizer.Tokenizer, which sits
+    above this file format and is loaded from the folder by the model loader)."""
+
+    def save(self, folder: str | Path) -> None: ...
 _DTYPES = {  # torch dtype <-> safetensors dtype name <-> our plain format name
     torch.float32: ("F32", "fp32"),
     torch.float16: ("F16", "fp16"),
@@ -211,7 +217,7 @@ def check_destination(dst: str | os.PathLike[str], force: bool) -> Path:
 def save_checkpoint(
     dst: str | os.PathLike[str],
     config: ModelConfig,
-    tokenizer: Tokenizer,
+    tokenizer: TokenizerFiles,
     weights: Iterable[tuple[str, Weight]],
     weight_names: list[str],
     *,

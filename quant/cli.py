@@ -91,9 +91,9 @@ def _ppl_parser() -> argparse.ArgumentParser:
 
 
 def eval_ppl_main(argv: list[str]) -> int:
-    from edgeinfer.kv_calibration import calibration_ids
-    from edgeinfer.loader import load_model
     from edgeinfer.models.llama import LlamaModel
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.worker.kv_calibration import calibration_ids
     from quant.perplexity import perplexity, text_tokens
 
     args = _ppl_parser().parse_args(argv)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer import Tokenizer
 from quant.checkpoint import check_destination, save_checkpoint
 from quant.formats import GROUP_SIZES, QuantizedTensor, quantize_int4, quantize_int8
 from quant.gguf_import import ModelFileError, check_weights, require_gguf_file

@@ -87,8 +87,6 @@ class QuantizedTensor:
         if self.format == "int4":
             assert self.mins is not None
             return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size).to(dtype)
-        from quant.nf4 import dequantize_nf4
-
         return dequantize_nf4(self).to(dtype)
 
 
@@ -179,3 +177,40 @@ def concat_rows(weights: list[QuantizedTensor]) -> QuantizedTensor:
         torch.cat([w.scales for w in weights]),
         mins,
     )
+
+
+# bitsandbytes.functional.get_4bit_type("nf4"): quantiles of N(0, 1), normalised to [-1, 1].
+NF4_CODE = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+
+
+def dequantize_nf4(qt: QuantizedTensor) -> torch.Tensor:
+    """nf4 QuantizedTensor -> fp32 (N, K)."""
+    if qt.format != "nf4":
+        raise ValueError(f"dequantize_nf4 needs an nf4 weight, got {qt.format}")
+    n, k = qt.shape
+    packed = qt.qweight.reshape(-1)
+    if packed.numel() * 2 != n * k or qt.scales.numel() * qt.group_size != n * k:
+        raise ValueError(
+            f"nf4 weight {qt.shape} with block size {qt.group_size} needs {n * k // 2} packed bytes and "
+            f"{n * k // qt.group_size} absmax values, got {packed.numel()} and {qt.scales.numel()}"
+        )
+    q = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(-1).long()  # first element high
+    values = torch.tensor(NF4_CODE, dtype=torch.float32, device=packed.device)[q].reshape(-1, qt.group_size)
+    return (values * qt.scales.float().reshape(-1, 1)).reshape(n, k)

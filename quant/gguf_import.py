@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,6 +253,9 @@ _ROW_TYPES = {GGMLType.F32: None, GGMLType.F16: None, GGMLType.BF16: None,
               GGMLType.Q4_0: "int4", GGMLType.Q4_1: "int4", GGMLType.Q8_0: "int8"}
 
 
+RowReader = Callable[[int, int, int, int, int, torch.Tensor], torch.Tensor]  # (fd, offset, n, k, type, ids)
+
+
 class FileRows:
     """The rows of one 2-D GGUF tensor, read from the file when asked; only an open file is held.
 
@@ -277,14 +280,14 @@ class FileRows:
         if hasattr(self, "_fd"):
             os.close(self._fd)
 
-    def read(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """fp32 (len(row_ids), K): rows ``row_ids`` (1-D, any order, repeats allowed)."""
-        from kernels import cpu_ops  # kernels imports quant
-
+    def read(self, row_ids: torch.Tensor, reader: RowReader | None = None) -> torch.Tensor:
+        """fp32 (len(row_ids), K): rows ``row_ids`` (1-D, any order, repeats allowed), decoded by
+        ``reader`` (kernels.cpu_ops.read_rows, which sits above this file format), else by
+        read_reference."""
         t = self._tensor
         try:
-            if cpu_ops.available():
-                return cpu_ops.read_rows(self._fd, t.offset, *self.shape, t.ggml_type, row_ids)
+            if reader is not None:
+                return reader(self._fd, t.offset, *self.shape, t.ggml_type, row_ids)
             return self.read_reference(row_ids)
         except RuntimeError as exc:
             raise ModelFileError(f"{self._path}: reading rows of tensor {t.name}: {exc}") from exc

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 
 BLOCK_SIZE = 16

@@ -25,8 +25,8 @@ def default_model_path():  # noqa: ANN201
     """The default GGUF, pulled into the cache if missing ($EDGEINFER_TEST_MODEL overrides)."""
     from pathlib import Path
 
-    from edgeinfer.pull import PullError, pull
-    from edgeinfer.pull import default_model_path as cached
+    from edgeinfer.models.pull import PullError, pull
+    from edgeinfer.models.pull import default_model_path as cached
 
     override = os.environ.get("EDGEINFER_TEST_MODEL")
     if override:
@@ -42,7 +42,7 @@ def default_model_path():  # noqa: ANN201
 
 @pytest.fixture(scope="session")
 def loaded_model(default_model_path):  # noqa: ANN001, ANN201
-    from edgeinfer.loader import load_model
+    from edgeinfer.models.loader import load_model
 
     return load_model(default_model_path)
 

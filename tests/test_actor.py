@@ -8,11 +8,11 @@ import anyio
 import pytest
 from test_scheduler import VOCAB, FakeRunner, Letters, expected_tokens
 
-from edgeinfer.actor import ActorFailed, mailbox, serve
 from edgeinfer.config import ModelConfig, SchedulerConfig
-from edgeinfer.engine import Engine, GenerateRequest, SupervisionConfig
-from edgeinfer.events import ENGINE_CLOSED, INTERNAL, Accepted, Error, Finished, Token
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, Accepted, Error, Finished, Token
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.engine.actor import ActorFailed, mailbox, serve
+from edgeinfer.engine.api import Engine, GenerateRequest, SupervisionConfig
 
 pytestmark = pytest.mark.anyio
 

@@ -5,12 +5,13 @@ leaves the pool empty afterwards."""
 import pytest
 import torch
 
-from edgeinfer.beam_runner import BeamStepper, beam_pool_blocks, beam_search_tokens
-from edgeinfer.beam_search import BeamSearchParams, beam_search
 from edgeinfer.config import ModelConfig
-from edgeinfer.model_runner import ModelRunner, SeqChunk
+from edgeinfer.core.beam_search import BeamSearchParams, BeamState, beam_search
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.synthetic import synthetic_model
+from edgeinfer.models.synthetic import synthetic_model
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.beam_runner import BeamStepper, beam_pool_blocks, beam_search_tokens
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 
 TINY = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -33,7 +34,7 @@ def uncached_step_fn(runner: ModelRunner):
         for prefix in prefixes:
             table = tuple(range(-(-len(prefix) // BLOCK)))
             rows.append(runner.logits([SeqChunk(tuple(prefix), 0, table)])[0])
-        return torch.log_softmax(torch.stack(rows), dim=-1)
+        return [list(enumerate(row)) for row in torch.log_softmax(torch.stack(rows), dim=-1).tolist()]
     return step
 
 
@@ -55,10 +56,10 @@ def test_beams_share_blocks_and_free_them() -> None:
     prompt = list(range(10, 30))  # 5 full blocks
     params = BeamSearchParams(width=4, max_tokens=6, num_results=4)
     runner = make_runner(beam_pool_blocks(len(prompt), params, BLOCK))
-    stepper = BeamStepper(runner)
+    stepper = BeamStepper(runner, BeamState(params).num_candidates)
     peak = 0
 
-    def step(prefixes: list[list[int]]) -> torch.Tensor:
+    def step(prefixes: list[list[int]]) -> list[list[tuple[int, float]]]:
         nonlocal peak
         out = stepper.step(prefixes)
         stepper.blocks.check_invariants()

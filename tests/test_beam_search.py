@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from edgeinfer.beam_search import BeamSearchParams, beam_search
+from edgeinfer.core.beam_search import BeamSearchParams, beam_search
 
 VOCAB = 4
 EOS = 0
@@ -23,8 +23,8 @@ def make_model(seed: int, vocab: int = VOCAB):
     def logprobs(prefix) -> torch.Tensor:  # (V,)
         return tables[len(prefix) % 8, prefix[-1]]
 
-    def step_fn(prefixes: list[list[int]]) -> torch.Tensor:
-        return torch.stack([logprobs(p) for p in prefixes])
+    def step_fn(prefixes: list[list[int]]) -> list[list[tuple[int, float]]]:  # every token a candidate
+        return [list(enumerate(logprobs(p).tolist())) for p in prefixes]
 
     return logprobs, step_fn
 

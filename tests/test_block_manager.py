@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from edgeinfer.block_manager import AppendResult, BlockManager, CopyOnWrite
+from edgeinfer.core.block_manager import AppendResult, BlockManager, CopyOnWrite
 
 
 def make() -> BlockManager:

@@ -13,9 +13,10 @@ import pytest
 import torch
 from test_checkpoint import TINY, make_tiny_folder, tiny_weights
 
-from edgeinfer.loader import load_model
-from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
+from edgeinfer.models.loader import load_model
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 from quant.calibrate import GPTQCalibrator, gptq_quantize, hessian
 from quant.checkpoint import load_checkpoint

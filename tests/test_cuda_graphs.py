@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from edgeinfer.config import ModelConfig, RuntimeConfig
-from edgeinfer.cuda_graphs import PAD_SLOT, DecodeGraphs, pad_decode_batch, select_bucket
-from edgeinfer.model_runner import ModelRunner, SeqChunk, build_batch
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.synthetic import synthetic_model
+from edgeinfer.models.synthetic import synthetic_model
+from edgeinfer.worker.batch import SeqChunk, build_batch
+from edgeinfer.worker.cuda_graphs import PAD_SLOT, DecodeGraphs, pad_decode_batch, select_bucket
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -24,12 +24,12 @@ def dirs(tmp_path, monkeypatch):
     monkeypatch.setenv(daemon.STATE_ENV, env[daemon.STATE_ENV])
     monkeypatch.setenv(auth.CONFIG_ENV, env[auth.CONFIG_ENV])
     yield env
-    subprocess.run([sys.executable, "-m", "transport.cli", "daemon", "stop", "--timeout", "5"], env=env,
+    subprocess.run([sys.executable, "-m", "edgeinfer.cli", "daemon", "stop", "--timeout", "5"], env=env,
                    capture_output=True, timeout=30)
 
 
 def cli(env, *args, timeout=60):
-    cmd = [sys.executable, "-m", "transport.cli", "daemon", *args]
+    cmd = [sys.executable, "-m", "edgeinfer.cli", "daemon", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

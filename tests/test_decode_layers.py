@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.model_runner import SeqChunk, build_batch
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.synthetic import synthetic_model
+from edgeinfer.models.synthetic import synthetic_model
+from edgeinfer.worker.batch import SeqChunk, build_batch
 from kernels import cpu_ops
 from kernels.kv_pool import KVPool
 from quant.formats import unpack_int4
@@ -49,7 +49,7 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
     g = torch.Generator().manual_seed(0)
     if kv_dtype in ("int8", "int4"):  # keys centred as after calibration (then rotated and quantized)
         c = model.config
-        monkeypatch.setattr(model, "_key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
+        monkeypatch.setattr(model, "key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
     lengths = (1, 6, 13)  # contexts that end mid-block, one a single token
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     tables = [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]  # scattered, out of order, room for decode
@@ -98,7 +98,7 @@ def test_fused_prompt_and_mixed_steps_match_the_per_op_forward(model: LlamaModel
     c = model.config
     g = torch.Generator().manual_seed(4)
     if kv_dtype in ("int8", "int4"):
-        monkeypatch.setattr(model, "_key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
+        monkeypatch.setattr(model, "key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
     tokens = lambda n: tuple(torch.randint(0, c.vocab_size, (n,), generator=g).tolist())  # noqa: E731
     tables = [(5, 1, 12, 3), (8, 0, 19), (2, 14), (7, 10, 4)]
     cached = {1: 6, 2: 5, 3: 3}  # tokens already in the cache per sequence (written by the per-op path)

@@ -1,4 +1,4 @@
-"""Memory-aware sizing and step caps (edgeinfer.device_memory and the scheduler's use of it).
+"""Memory-aware sizing and step caps (edgeinfer.worker.device_memory and the scheduler's use of it).
 
 The CUDA measurements themselves run in the gpu-marked test at the end; the arithmetic and the
 scheduler's reaction to a shrinking free memory are tested here with a fake runner reporting it.
@@ -10,13 +10,13 @@ import pytest
 import torch
 from test_scheduler import VOCAB, FakeRunner, Letters, expected_tokens
 
-from edgeinfer import device_memory
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
-from edgeinfer.events import Token
-from edgeinfer.messages import StepResult
-from edgeinfer.model_actor import ModelActor
-from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.scheduler import Scheduler
+from edgeinfer.core.events import Token
+from edgeinfer.core.messages import StepResult
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.scheduler import Scheduler
+from edgeinfer.engine.model_actor import ModelActor
+from edgeinfer.worker import device_memory
 
 EOS = VOCAB - 1
 MIB = 2**20
@@ -40,7 +40,7 @@ def test_cpu_steps_are_not_measured_or_capped() -> None:
     from test_beam_runner import TINY
 
     from edgeinfer.models.llama import LlamaModel
-    from edgeinfer.synthetic import synthetic_model
+    from edgeinfer.models.synthetic import synthetic_model
 
     loaded = synthetic_model(TINY, "int8", group_size=32, seed=1)
     model = LlamaModel(loaded.config, dict(loaded.weights), linear_path="reference")
@@ -119,8 +119,8 @@ def test_free_memory_travels_in_the_step_result() -> None:
 def test_worst_case_step_is_measured_and_held_back_on_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from edgeinfer.model_actor import build_runner
-    from edgeinfer.synthetic import synthetic_model
+    from edgeinfer.engine.model_actor import build_runner
+    from edgeinfer.models.synthetic import synthetic_model
 
     loaded = synthetic_model("135m", "int4", seed=5, max_position=1024)
     runtime = RuntimeConfig(device="cuda", kv_memory_fraction=0.05)

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.draft_model import DraftModel
-from edgeinfer.llm import NGRAM, generate_tokens
-from edgeinfer.model_runner import ModelRunner, SeqChunk
+from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.sampler import SamplingBatch, sampling_probs
-from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.synthetic import synthetic_model
+from edgeinfer.models.synthetic import synthetic_model
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.draft_model import DraftModel
+from edgeinfer.worker.llm import NGRAM, generate_tokens
+from edgeinfer.worker.model_runner import ModelRunner
+from edgeinfer.worker.sampler import SamplingBatch, sampling_probs
 from kernels.kv_pool import KVPool
 from tests.test_speculative import chi_square_pvalue
 

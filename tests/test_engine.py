@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.engine import Engine, GenerateRequest
-from edgeinfer.events import OVERLOADED, PROMPT_TOO_LONG, Accepted, Error, Finished, Token
-from edgeinfer.model_runner import ModelRunner, SeqChunk
+from edgeinfer.core.events import OVERLOADED, PROMPT_TOO_LONG, Accepted, Error, Finished, Token
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.engine.api import Engine, GenerateRequest
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 
 pytestmark = pytest.mark.anyio
@@ -223,8 +224,8 @@ async def test_speculative_engine_matches_plain_greedy(loaded_model, model) -> N
 
 
 async def test_beam_search_through_the_engine_equals_the_offline_search(loaded_model, model) -> None:  # noqa: ANN001
-    from edgeinfer.beam_runner import beam_pool_blocks, beam_search_tokens
-    from edgeinfer.beam_search import BeamSearchParams
+    from edgeinfer.core.beam_search import BeamSearchParams
+    from edgeinfer.worker.beam_runner import beam_pool_blocks, beam_search_tokens
 
     prompt = tuple(loaded_model.tokenizer.encode("The capital of France is"))
     params = SamplingParams(beam_width=3, n=2, max_tokens=6)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.llm import build_model, generate_tokens, single_stream_runner
-from edgeinfer.loader import load_model
-from edgeinfer.model_runner import SeqChunk
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.models.loader import load_model
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.llm import build_model, generate_tokens, single_stream_runner
 from kernels import cpu_ops
 from quant.formats import QuantizedTensor
 from quant.gguf_import import FileRows, ModelFileError, convert_tensor
@@ -73,11 +73,12 @@ def test_file_rows_equal_the_loaded_tensor(kind: str, tmp_path: Path) -> None:
     expected = whole[ids]
     assert torch.equal(rows.read_reference(ids), expected)
     if cpu_ops.available():  # the C++ op, bit for bit
-        assert torch.equal(rows.read(ids), expected)
-        assert rows.read(torch.tensor([], dtype=torch.long)).shape == (0, k)
+        assert torch.equal(rows.read(ids, cpu_ops.read_rows), expected)
+        assert rows.read(torch.tensor([], dtype=torch.long), cpu_ops.read_rows).shape == (0, k)
     for bad in ([n], [-1]):
-        with pytest.raises(IndexError, match="outside"):
-            rows.read(torch.tensor(bad))
+        for reader in (None, cpu_ops.read_rows) if cpu_ops.available() else (None,):
+            with pytest.raises(IndexError, match="outside"):
+                rows.read(torch.tensor(bad), reader)
         with pytest.raises(IndexError, match="outside"):
             rows.read_reference(torch.tensor(bad))
 

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.engine import Engine, GenerateRequest
-from edgeinfer.events import Finished, Token
-from edgeinfer.llm import generate_tokens
-from edgeinfer.model_runner import ModelRunner, SeqChunk
+from edgeinfer.core.events import Finished, Token
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.engine.api import Engine, GenerateRequest
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.llm import generate_tokens
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +40,7 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1
 
 @pytest.fixture(scope="module")
 def sliced():  # noqa: ANN201
-    from edgeinfer.loader import load_model
+    from edgeinfer.models.loader import load_model
 
     path = Path(os.environ.get("EDGEINFER_SLICE", ROOT / "build" / "gpu" / "slice"))
     if not (path / "config.json").is_file():
@@ -49,7 +50,7 @@ def sliced():  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def synthetic():  # noqa: ANN201
-    from edgeinfer.synthetic import synthetic_model
+    from edgeinfer.models.synthetic import synthetic_model
 
     return synthetic_model("135m", "int4", seed=5, max_position=512)
 

@@ -1,14 +1,16 @@
 """Quantized KV caches store keys centred and K/V rotated (kernels.kv_quant.kv_rotation,
-edgeinfer.kv_calibration): exact in exact arithmetic, and smaller int4 error on the real model."""
+edgeinfer.worker.kv_calibration): exact in exact arithmetic, and smaller int4 error on the real model."""
 
 import pytest
 import torch
 
 import edgeinfer.models.llama as llama
 from edgeinfer.config import ModelConfig
-from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.synthetic import synthetic_model
+from edgeinfer.models.synthetic import synthetic_model
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.kv_calibration import prepare_quantized_kv
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import dequantize_kv, kv_rotation, quantize_kv
 
@@ -41,8 +43,8 @@ def test_centring_and_rotation_leave_attention_unchanged(monkeypatch: pytest.Mon
     transformed = LlamaModel(TINY, dict(weights), linear_path="reference", kv_calibration_ids=tokens[::-1])
     # An fp32 cache treated as quantized: centring and rotation run, storage adds no error.
     monkeypatch.setattr(llama, "PLAIN_DTYPES", {})
-    transformed.prepare_quantized_kv()
-    assert transformed._key_centres is not None and transformed._key_centres.abs().max() > 0.1
+    prepare_quantized_kv(transformed)
+    assert transformed.key_centres is not None and transformed.key_centres.abs().max() > 0.1
     got = logits(transformed, "fp32", tokens, TINY)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeinfer.loader import load_model
+from edgeinfer.models.loader import load_model
 from quant.gguf_import import ModelFileError
 
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.model_runner import ModelRunner, SeqChunk
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.synthetic import synthetic_model
+from edgeinfer.models.synthetic import synthetic_model
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 from quant.formats import QuantizedTensor, quantize_int8
 from quant.nf4 import quantize_nf4

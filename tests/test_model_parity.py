@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.llm import CPU_PREFILL_CHUNK, build_model, prefill, single_stream_runner
-from edgeinfer.model_runner import SeqChunk
+from edgeinfer.worker.batch import CPU_PREFILL_CHUNK, SeqChunk
+from edgeinfer.worker.llm import build_model, prefill, single_stream_runner
 
 PROMPTS = [
     "The capital of France is",

@@ -108,7 +108,7 @@ def test_single_sequence_view_matches_reference(k_dtype, v_dtype, length, monkey
 
 
 def test_runner_marks_consecutive_blocks_only():
-    from edgeinfer.model_runner import SeqChunk, build_batch
+    from edgeinfer.worker.batch import SeqChunk, build_batch
 
     def view(chunks):
         return build_batch(chunks, 4, torch.device("cpu"))[1].seq_view

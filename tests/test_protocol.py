@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.events import Accepted, Error, Finished, Token, TokenLogprob, Usage
+from edgeinfer.core.events import Accepted, Error, Finished, Token, TokenLogprob, Usage
 from transport import protocol as wire
 
 MAX = 1 << 16
@@ -103,6 +103,20 @@ def test_oversize_frames_are_refused_before_decoding():
 
 def test_deep_nesting_is_a_bad_frame_not_a_crash():
     assert error_of("[" * 30_000 + "]" * 30_000).code == wire.BAD_FRAME
+    assert "16 deep" in error_of('{"a":' * 17 + "1" + "}" * 17).message
+    assert "16 deep" in error_of(msgpack.packb(nested_lists(17))).message
+    # Brackets inside strings are not nesting; 16 levels of real nesting are allowed.
+    frame = {"type": "generate", "id": "x", "prompt": "[{" * 5000, "params": {"stop": ["]]", "{{"]}}
+    assert wire.parse_frame(json.dumps(frame), MAX).prompt == "[{" * 5000
+    err = error_of(json.dumps({"type": "status", "x": nested_lists(15)}))  # 16 levels with the frame
+    assert err.code == wire.UNKNOWN_FIELD
+
+
+def nested_lists(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 def test_fatal_codes():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer.pull import ModelSource, PullError, pull
+from edgeinfer.models.pull import ModelSource, PullError, pull
 
 PAYLOAD = b"GGUF" + os.urandom(4096)
 

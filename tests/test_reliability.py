@@ -28,12 +28,12 @@ from live_server import LiveServer, check_life_cycles, http_get, open_client, re
 from websockets.exceptions import ConnectionClosed
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
-from edgeinfer.engine import Engine, GenerateRequest, SupervisionConfig
-from edgeinfer.events import INTERNAL, Accepted, Error, Finished, Token
-from edgeinfer.loader import load_model
-from edgeinfer.model_actor import build_runner
-from edgeinfer.sampler import sample
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.events import INTERNAL, Accepted, Error, Finished, Token
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.engine.api import Engine, GenerateRequest, SupervisionConfig
+from edgeinfer.engine.model_actor import build_runner
+from edgeinfer.models.loader import load_model
+from edgeinfer.worker.sampler import sample
 
 RUNTIME = RuntimeConfig(linear_path="int4_cpu", num_kv_blocks=256, num_threads=2)
 SCHEDULER = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.worker.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
 
 VOCAB = 12
 NUM_SAMPLES = 40_000

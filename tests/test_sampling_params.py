@@ -3,7 +3,7 @@
 import msgpack
 import pytest
 
-from edgeinfer.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 
 
 def test_defaults_are_valid_and_not_greedy():

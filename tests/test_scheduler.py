@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.events import (
+from edgeinfer.core.events import (
     INVALID_PARAMS,
     OVERLOADED,
     PROMPT_TOO_LONG,
@@ -23,12 +23,12 @@ from edgeinfer.events import (
     RequestError,
     Token,
 )
-from edgeinfer.messages import StepPlan, StepResult
-from edgeinfer.model_actor import ModelActor
-from edgeinfer.model_runner import SeqChunk
-from edgeinfer.sampler import SamplingBatch, sample
-from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.scheduler import Scheduler
+from edgeinfer.core.messages import StepPlan, StepResult
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.scheduler import Scheduler
+from edgeinfer.engine.model_actor import ModelActor
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.sampler import SamplingBatch, sample
 
 VOCAB = 32
 EOS = 0

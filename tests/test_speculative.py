@@ -5,7 +5,8 @@ the adaptive draft length."""
 import pytest
 import torch
 
-from edgeinfer.speculative import AdaptiveK, propose_ngram, verify_greedy, verify_sampled
+from edgeinfer.core.speculative import AdaptiveK, propose_ngram
+from edgeinfer.worker.verify import verify_greedy, verify_sampled
 
 VOCAB = 4
 

@@ -3,8 +3,8 @@ stop token ids, min_tokens, max_tokens."""
 
 import pytest
 
-from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.stop import StopChecker
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.stop import StopChecker
 
 EOS = 0
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from edgeinfer.config import ModelConfig, RuntimeConfig
-from edgeinfer.llm import build_model, single_stream_runner
-from edgeinfer.model_runner import SeqChunk
-from edgeinfer.synthetic import SHAPES, effective_group, synthetic_model, weight_bytes
+from edgeinfer.models.synthetic import SHAPES, effective_group, synthetic_model, weight_bytes
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.llm import build_model, single_stream_runner
 from quant.formats import QuantizedTensor
 
 TINY = ModelConfig(vocab_size=320, hidden_size=96, intermediate_size=160, num_layers=3, num_heads=6,

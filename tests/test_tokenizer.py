@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer import Tokenizer
 
 
 def _corpus() -> list[str]:

@@ -110,7 +110,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.model is None:
         sys.path.insert(0, str(ROOT))
-        from edgeinfer.pull import default_model_path, pull
+        from edgeinfer.models.pull import default_model_path, pull
 
         args.model = str(default_model_path() if default_model_path().is_file() else pull())
     if args.worker:

@@ -44,10 +44,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from edgeinfer.config import ModelConfig  # noqa: E402
-from edgeinfer.loader import LoadedModel  # noqa: E402
-from edgeinfer.model_runner import ModelRunner, SeqChunk  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
-from edgeinfer.synthetic import synthetic_model  # noqa: E402
+from edgeinfer.models.loader import LoadedModel  # noqa: E402
+from edgeinfer.models.synthetic import synthetic_model  # noqa: E402
+from edgeinfer.worker.batch import SeqChunk  # noqa: E402
+from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
 from kernels.kv_pool import KVPool  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 from tools.bench_common import copy_bandwidth, int_list, table_cell  # noqa: E402

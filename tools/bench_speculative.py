@@ -29,14 +29,14 @@ import anyio  # noqa: E402
 import torch  # noqa: E402
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig  # noqa: E402
-from edgeinfer.draft_model import DraftModel  # noqa: E402
-from edgeinfer.engine import Engine, GenerateRequest  # noqa: E402
-from edgeinfer.events import Token  # noqa: E402
-from edgeinfer.llm import NGRAM, build_model, generate_tokens, single_stream_runner  # noqa: E402
-from edgeinfer.loader import LoadedModel, load_model  # noqa: E402
+from edgeinfer.core.events import Token  # noqa: E402
+from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
+from edgeinfer.engine.api import Engine, GenerateRequest  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
-from edgeinfer.pull import default_model_path, pull  # noqa: E402
-from edgeinfer.sampling_params import SamplingParams  # noqa: E402
+from edgeinfer.models.loader import LoadedModel, load_model  # noqa: E402
+from edgeinfer.models.pull import default_model_path, pull  # noqa: E402
+from edgeinfer.worker.draft_model import DraftModel  # noqa: E402
+from edgeinfer.worker.llm import NGRAM, build_model, generate_tokens, single_stream_runner  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

@@ -20,10 +20,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgeinfer.kv_calibration import calibration_ids  # noqa: E402
-from edgeinfer.loader import load_model  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
-from edgeinfer.pull import default_model_path, pull  # noqa: E402
+from edgeinfer.models.loader import load_model  # noqa: E402
+from edgeinfer.models.pull import default_model_path, pull  # noqa: E402
+from edgeinfer.worker.kv_calibration import calibration_ids  # noqa: E402
 from quant.perplexity import perplexity, text_tokens  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

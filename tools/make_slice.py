@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from edgeinfer.loader import LoadedModel  # noqa: E402
+from edgeinfer.models.loader import LoadedModel  # noqa: E402
 
 DEFAULT_OUT = "build/gpu/slice"
 DEFAULT_LAYERS = 4
@@ -40,7 +40,7 @@ def slice_model(loaded: LoadedModel, num_layers: int) -> LoadedModel:
 
 def write_slice(model_path: str | Path, num_layers: int, out: str | Path, force: bool = False) -> Path:
     """Load ``model_path``, slice it and save it atomically as an edgeinfer checkpoint at ``out``."""
-    from edgeinfer.loader import load_model
+    from edgeinfer.models.loader import load_model
     from quant.checkpoint import save_checkpoint
 
     sliced = slice_model(load_model(model_path), num_layers)
@@ -56,7 +56,7 @@ def folder_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from edgeinfer.pull import default_model_path
+    from edgeinfer.models.pull import default_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="source model (default: the cached default GGUF)")

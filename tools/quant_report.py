@@ -29,10 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from edgeinfer.config import RuntimeConfig  # noqa: E402
-from edgeinfer.llm import build_model  # noqa: E402
-from edgeinfer.loader import LoadedModel, load_model  # noqa: E402
-from edgeinfer.model_runner import ModelRunner, SeqChunk  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
+from edgeinfer.models.loader import LoadedModel, load_model  # noqa: E402
+from edgeinfer.worker.batch import SeqChunk  # noqa: E402
+from edgeinfer.worker.llm import build_model  # noqa: E402
+from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
 from kernels.kv_pool import KVPool  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 from quant.perplexity import perplexity, text_tokens  # noqa: E402

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 from transport import auth, daemon
 from transport import protocol as wire
 from transport.client import Client, connect

@@ -124,7 +124,7 @@ def start(serve_args: list[str], directory: Path | None = None, timeout_s: float
     package_root = str(Path(__file__).resolve().parents[1])
     python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": python_path}
-    cmd = [sys.executable, "-m", "transport.cli", "serve", *serve_args, "--daemon-state", str(directory)]
+    cmd = [sys.executable, "-m", "edgeinfer.cli", "serve", *serve_args, "--daemon-state", str(directory)]
     with os.fdopen(fd, "ab") as log:
         log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())
         log.flush()

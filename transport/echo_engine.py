@@ -1,6 +1,6 @@
 """EchoEngine: a model-free stand-in with the Engine's interface, for transport tests and clients.
 
-`generate(request)` is an async iterator of the same events (edgeinfer.events) the real Engine
+`generate(request)` is an async iterator of the same events (edgeinfer.core.events) the real Engine
 yields, in the same order, with admission (a bounded waiting queue answered with `overloaded`),
 a toy block pool that a request holds until its stream ends or is closed, and a fixed delay per
 token. The answer is deterministic: the words of the prompt (or last chat message) echoed back,
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeinfer.events import (
+from edgeinfer.core.events import (
     INVALID_PARAMS,
     OVERLOADED,
     Accepted,
@@ -28,7 +28,7 @@ from edgeinfer.events import (
     Token,
     Usage,
 )
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 49152

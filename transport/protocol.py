@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from edgeinfer.events import Accepted, Error, Event, Finished, Token
-from edgeinfer.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.core.events import Accepted, Error, Event, Finished, Token
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 
 PROTOCOL_VERSION = "edgeinfer/1"
 MAX_ID_CHARS = 128
+MAX_DEPTH = 16  # a valid frame nests 4 deep (chat -> messages -> message -> content)
+_JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # strings whole, so brackets in them do not count
 CHAT_ROLES = ("system", "user", "assistant")
 
-# Stable protocol-level error codes (engine codes come from edgeinfer.events).
+# Stable protocol-level error codes (engine codes come from edgeinfer.core.events).
 BAD_FRAME = "bad_frame"  # not JSON / msgpack, or not an object
 FRAME_TOO_LARGE = "frame_too_large"
 UNKNOWN_TYPE = "unknown_type"
@@ -131,6 +134,8 @@ def parse_frame(data: str | bytes, max_bytes: int) -> ClientMessage:
 
 def _decode(data: str | bytes) -> Any:
     if isinstance(data, str):
+        if not _json_depth_ok(data):
+            raise ProtocolError(BAD_FRAME, f"text frame nests arrays/objects more than {MAX_DEPTH} deep")
         try:
             return json.loads(data, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -141,13 +146,33 @@ def _decode(data: str | bytes) -> Any:
         raise ProtocolError(BAD_FRAME, f"binary frame is not valid msgpack: {str(exc)[:200]}") from None
 
 
+def _json_depth_ok(text: str) -> bool:
+    """No array/object nested deeper than MAX_DEPTH, outside strings. Checked before decoding:
+    json's decoder recurses, and a frame of 50,000 brackets exhausts the stack (RecursionError,
+    and finalizers that the garbage collector runs at that depth fail too)."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:  # the usual frame: no scan needed
+        return True
+    depth = 0
+    for match in _JSON_NESTING.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return False
+        elif token in "]}":
+            depth -= 1
+    return True
+
+
 def _check_strings(obj: Any) -> None:
     """Every string (keys too) must be valid Unicode: JSON's \\ud800 escapes decode to lone
     surrogates, which no UTF-8 frame can carry back (echoing one in an error would fail the
-    connection) and no tokenizer takes. Iterative: nesting depth is bounded by the decoders."""
-    stack: list[tuple[str, Any]] = [("", obj)]
+    connection) and no tokenizer takes. Also bounds the nesting of msgpack frames."""
+    stack: list[tuple[str, Any, int]] = [("", obj, 0)]
     while stack:
-        path, value = stack.pop()
+        path, value, depth = stack.pop()
+        if depth >= MAX_DEPTH and isinstance(value, (Mapping, list)):  # the root object is level 1
+            raise ProtocolError(BAD_FRAME, f"the frame nests arrays/objects more than {MAX_DEPTH} deep")
         if isinstance(value, str):
             if not _is_unicode(value):
                 raise ProtocolError(INVALID_MESSAGE, f"{_where(path)} is not valid Unicode (a lone surrogate "
@@ -157,9 +182,9 @@ def _check_strings(obj: Any) -> None:
                 if isinstance(key, str) and not _is_unicode(key):
                     raise ProtocolError(INVALID_MESSAGE, f"a field name in {_where(path)} is not valid Unicode "
                                         f"(a lone surrogate such as {_first_surrogate(key)})")
-                stack.append((f"{path}.{key}" if path else str(key), item))
+                stack.append((f"{path}.{key}" if path else str(key), item, depth + 1))
         elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
 
 
 def _is_unicode(text: str) -> bool:

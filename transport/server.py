@@ -39,8 +39,8 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from edgeinfer.events import SLOW_READER, Accepted, Error, Event, Finished, Health, RequestError, Token
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.events import SLOW_READER, Accepted, Error, Event, Finished, Health, RequestError, Token
+from edgeinfer.core.sampling_params import SamplingParams
 from transport import auth
 from transport import protocol as wire
 
@@ -79,7 +79,7 @@ class ServerConfig:
 
 
 class EngineLike(Protocol):
-    """What the server needs of edgeinfer.engine.Engine (and transport.echo_engine.EchoEngine)."""
+    """What the server needs of edgeinfer.engine.api.Engine (and transport.echo_engine.EchoEngine)."""
 
     def generate(self, request: Any) -> AsyncIterator[Event]: ...
 
@@ -95,7 +95,7 @@ RequestFactory = Callable[[str, "str | None", "tuple[int, ...] | None", "tuple[d
 
 def engine_request_factory(request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...] | None,
                            messages: tuple[dict[str, str], ...] | None, params: SamplingParams) -> Any:
-    from edgeinfer.engine import GenerateRequest  # the real engine only when one is served
+    from edgeinfer.engine.api import GenerateRequest  # the real engine only when one is served
 
     return GenerateRequest(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
                            messages=messages, params=params)

@@ -49,7 +49,7 @@ async def open_engine(model_path: str | None, runtime: RuntimeConfig, echo: bool
         async with EchoEngine(token_delay_s=0.01) as engine:
             yield engine, echo_request_factory, "echo"
         return
-    from edgeinfer.engine import Engine, EngineConfig  # loads torch: only when a model is served
+    from edgeinfer.engine.api import Engine, EngineConfig  # loads torch: only when a model is served
 
     assert model_path is not None, "a model path is required unless echo is set"
     async with Engine(EngineConfig(str(model_path), runtime, scheduler or SchedulerConfig())) as engine:

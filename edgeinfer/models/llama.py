@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.host_memory import trim_heap
+from edgeinfer.models.host_memory import trim_heap
 from kernels import cpu_ops
 from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
 from kernels.kv_pool import KVPool
@@ -106,7 +106,7 @@ class LlamaModel:
         """``take_weights`` pops each tensor from ``weights`` once converted, so the caller's dict
         does not hold a second copy of the model while the prepared one is built.
         ``kv_calibration_ids``: tokens whose mean keys centre quantized key caches
-        (edgeinfer.kv_calibration; measured by prepare_quantized_kv, none: keys not centred)."""
+        (measured by edgeinfer.worker.kv_calibration.prepare_quantized_kv; none: keys not centred)."""
         if head_format not in ("same", "int4"):
             raise ValueError(f"head_format must be 'same' or 'int4', got {head_format!r}")
         self.config = config
@@ -162,10 +162,10 @@ class LlamaModel:
         rope_length = c.max_position if self.device.type == "cuda" else min(256, c.max_position)
         self._cos, self._sin = self._rope_tables(rope_length)
         self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
-        self._kv_calibration_ids = tuple(kv_calibration_ids)
+        self.kv_calibration_ids = tuple(kv_calibration_ids)
         # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
         self._cpu_norm = self.device.type == "cpu" and cpu_ops.available()
-        self._key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
+        self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
         self._fused_weights, self._fused_group = self._fused_step_weights()
         # Steps run as one C++ call for all layers where the weights allow it (see
         # _fused_step_weights); tests turn this off to compare with the per-op forward.
@@ -207,26 +207,6 @@ class LlamaModel:
         signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
         return cos.float().to(self.device), signed_sin.float().to(self.device)
 
-    def prepare_quantized_kv(self) -> None:
-        """Measure the key centres (once) before any quantized key cache is written: the
-        runner calls this when it binds the model to a pool with quantized keys."""
-        if self._key_centres is not None or not self._kv_calibration_ids:
-            return
-        from edgeinfer.llm import CPU_PREFILL_CHUNK  # both import this module
-        from edgeinfer.model_runner import SeqChunk, build_batch
-
-        c = self.config
-        ids = tuple(self._kv_calibration_ids[: c.max_position])
-        num_blocks = -(-len(ids) // 16)
-        pool = KVPool(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32", self.device)
-        keys: list[torch.Tensor] = []  # layer by layer, chunk after chunk
-        for start in range(0, len(ids), CPU_PREFILL_CHUNK):  # bounded activations, as llm.prefill
-            chunk = SeqChunk(ids[start:start + CPU_PREFILL_CHUNK], start, tuple(range(num_blocks)))
-            token_ids, batch = build_batch([chunk], 16, self.device)
-            self.forward(token_ids, batch, pool, key_sink=keys)
-        self._key_centres = torch.stack([torch.cat(keys[layer::c.num_layers]).float().mean(dim=0)
-                                         for layer in range(c.num_layers)])
-
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return _rows(self.embed, token_ids)
 
@@ -256,7 +236,7 @@ class LlamaModel:
         if quantized:
             params = {"k_scales": [cache.scale for cache in kv.k_caches],
                       "v_scales": [cache.scale for cache in kv.v_caches],
-                      "rotation": self._kv_rotation, "key_centres": self._key_centres}
+                      "rotation": self._kv_rotation, "key_centres": self.key_centres}
         if kv.k_dtype == "int4":
             params |= {"k_zeros": [cache.zero for cache in kv.k_caches],
                        "v_zeros": [cache.zero for cache in kv.v_caches]}
@@ -293,7 +273,7 @@ class LlamaModel:
         rotate_k = kv.k_dtype not in PLAIN_DTYPES
         rotate_v = kv.v_dtype not in PLAIN_DTYPES
         rot = self._kv_rotation
-        centres = self._key_centres if rotate_k else None
+        centres = self.key_centres if rotate_k else None
         h = self.embed_tokens(token_ids)  # (T, hidden)
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
@@ -353,7 +333,7 @@ def _quantize_head_int4(head: Weight | FileRows, chunk: int = 1024) -> Quantized
 def _rows(weight: Weight | FileRows, row_ids: torch.Tensor) -> torch.Tensor:
     """fp32 rows of a (possibly quantized) matrix: embedding lookup and head refinement."""
     if isinstance(weight, FileRows):
-        return weight.read(row_ids)
+        return weight.read(row_ids, cpu_ops.read_rows if cpu_ops.available() else None)
     if not isinstance(weight, QuantizedTensor):
         return weight[row_ids].float()
     rows = QuantizedTensor(

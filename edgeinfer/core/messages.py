@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

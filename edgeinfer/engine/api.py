@@ -31,16 +31,16 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
-from edgeinfer.actor import ActorFailed, mailbox, serve
 from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
-from edgeinfer.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished, Health
-from edgeinfer.loader import load_model
-from edgeinfer.model_actor import ModelActor, Sampler, StepRunner, build_runner
-from edgeinfer.sampler import sample
-from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.scheduler import Scheduler
-from edgeinfer.scheduler_actor import EngineStats, SchedulerActor, Submit
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished, Health
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.scheduler import Scheduler
+from edgeinfer.engine.actor import ActorFailed, mailbox, serve
+from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, build_runner
+from edgeinfer.engine.scheduler_actor import EngineStats, SchedulerActor, Submit
+from edgeinfer.models.loader import load_model
+from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.worker.sampler import sample
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Engine:
                     scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
                     supervision: SupervisionConfig | None = None, sampler: Sampler = sample) -> Engine:
         """An engine over an already-built runner (a loaded model reused, or a fake in tests);
-        `sampler` replaces edgeinfer.sampler.sample (fault-injection tests)."""
+        `sampler` replaces edgeinfer.worker.sampler.sample (fault-injection tests)."""
         engine = cls(EngineConfig("<runner>", scheduler=scheduler or SchedulerConfig(),
                                   supervision=supervision or SupervisionConfig()))
         engine._runner, engine._tokenizer, engine._model_config = runner, tokenizer, model_config

@@ -33,7 +33,7 @@ its last choice does. Admission counts the blocks of all n choices' lifetimes.
 Speculative decoding (SchedulerConfig.speculative = "ngram"). While few sequences run, a
 decoding sequence may carry prompt-lookup drafts: its step feeds (last token, *drafts), whose
 slots are reserved first (never by preempting anyone: no free blocks, no drafts), and the model
-returns the accepted drafts plus one sampled token (edgeinfer.speculative's rejection rule, so
+returns the accepted drafts plus one sampled token (edgeinfer.worker.verify's rejection rule, so
 the output distribution is the target's). Rejected drafts' slots stay reserved and are simply
 overwritten later (num_slots may exceed the tokens). num_computed then counts only verified
 tokens. Each sequence's AdaptiveK sets its draft length from its acceptance rate.
@@ -57,12 +57,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from edgeinfer.beam_search import BeamSearchParams, BeamState
-from edgeinfer.block_manager import BlockManager
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.events import (
+from edgeinfer.core.beam_search import BeamSearchParams, BeamState
+from edgeinfer.core.block_manager import BlockManager
+from edgeinfer.core.events import (
     INTERNAL,
     INVALID_PARAMS,
     OVERLOADED,
@@ -76,10 +74,10 @@ from edgeinfer.events import (
     TokenLogprob,
     Usage,
 )
-from edgeinfer.messages import SeqStep, StepPlan, StepResult
-from edgeinfer.sampling_params import InvalidParams, SamplingParams
-from edgeinfer.speculative import PROMPT_LOOKUP_NGRAM_MIN, AdaptiveK, propose_ngram
-from edgeinfer.stop import StopChecker
+from edgeinfer.core.messages import SeqStep, StepPlan, StepResult
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.core.speculative import PROMPT_LOOKUP_NGRAM_MIN, AdaptiveK, propose_ngram
+from edgeinfer.core.stop import StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -381,11 +379,7 @@ class Scheduler:
     def _advance_beams(self, group: BeamGroup, now: float) -> list[Event]:
         """Every live beam reported: pick the next beams, fork them from their parents, release
         the parents; at the end of the search, the results."""
-        logprobs = torch.full((len(group.seqs), self.vocab_size), -torch.inf)
-        for row, seq in enumerate(group.seqs):
-            for token_id, logprob in group.reported[seq.seq_id]:
-                logprobs[row, token_id] = logprob
-        parents = group.state.advance(logprobs)
+        parents = group.state.advance([group.reported[seq.seq_id] for seq in group.seqs])
         children = [] if group.state.done else [
             self._beam_child(group.seqs[p], tokens) for p, (tokens, _) in zip(parents, group.state.beams, strict=True)]
         for seq in group.seqs:  # after the forks: children keep the blocks they share

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
 
 
 class StopChecker:

@@ -1,9 +1,11 @@
-"""Beam search over a step function, independent of the model and the KV cache.
+"""Beam search over a step function, independent of the model and the KV cache (plain Python).
 
 `beam_search(prompt_ids, step_fn, params)` calls `step_fn(prefixes)` with the live beams' full
-token lists (prompt + generated) and expects (B, V) next-token logprobs. The scheduler's real
-step function will run the model on those beams, whose KV blocks it shares by forking them
-through the block manager; this module only decides which prefixes live.
+token lists (prompt + generated) and expects, per beam, its next-token candidates as (token id,
+logprob) pairs: the beam's top `BeamState.num_candidates` tokens are all a step can use, so the
+worker sends only those (all of them is fine too). The scheduler advances a BeamState with the
+model's candidates for beams whose KV blocks it shares by forking them through the block
+manager; this module only decides which prefixes live.
 
 The algorithm (as Hugging Face's): keep `width` live beams ranked by summed logprob. Each step
 every live beam is extended by every token; among the best width * (1 + #eos) candidates (so
@@ -21,13 +23,13 @@ With width at least the number of possible prefixes, "never" returns the true be
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
-StepFn = Callable[[list[list[int]]], torch.Tensor]
+Candidates = Sequence[tuple[int, float]]  # one beam's (next token id, logprob) pairs
+StepFn = Callable[[list[list[int]]], Sequence[Candidates]]
 
 
 @dataclass(frozen=True)
@@ -77,19 +79,21 @@ class BeamState:
         """Candidates a step ranks: each beam's top this-many tokens are all it can contribute."""
         return self.params.width * (1 + len(self.params.eos_token_ids))
 
-    def advance(self, logprobs: torch.Tensor) -> list[int]:
-        """Extend the live beams by (B, V) next-token logprobs (-inf where a token was not scored);
-        returns, for each new live beam, the index of the beam it extends."""
+    def advance(self, candidates: Sequence[Candidates]) -> list[int]:
+        """Extend the live beams by their next-token candidates (one list per live beam, in
+        order); returns, for each new live beam, the index of the beam it extends."""
         p, eos_ids = self.params, set(self.params.eos_token_ids)
         self.step += 1
-        beam_logprobs = torch.tensor([lp for _, lp in self.beams], dtype=torch.float64)
-        candidates = (beam_logprobs[:, None] + logprobs.to(torch.float64)).flatten()  # (B * V,)
-        top_values, top_index = candidates.topk(min(candidates.numel(), self.num_candidates))
+        # Ties rank by beam, then token id: a deterministic order the worker's batching cannot change.
+        ranked = heapq.nsmallest(self.num_candidates, (
+            (-(beam_logprob + logprob), beam, token_id)
+            for beam, ((_, beam_logprob), beam_candidates) in enumerate(zip(self.beams, candidates, strict=True))
+            for token_id, logprob in beam_candidates))
         next_beams, parents = [], []
-        for rank, (value, index) in enumerate(zip(top_values.tolist(), top_index.tolist(), strict=True)):
+        for rank, (negated, beam, token_id) in enumerate(ranked):
+            value = -negated
             if value == -math.inf:
                 break
-            beam, token_id = divmod(index, logprobs.shape[-1])
             tokens = self.beams[beam][0] + (token_id,)
             if token_id in eos_ids:
                 if rank < p.width:

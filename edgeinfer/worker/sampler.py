@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIN_CANDIDATES = 512  # partial-sort width for top-k/top-p; see _top_k_top_p_keep

@@ -12,7 +12,7 @@ at a time on one dedicated thread (CUDA's current device, streams and graphs are
 state), awaited from an anyio worker so the event loop keeps serving clients during a forward.
 
 Also here: building a runner from a loaded model, its KV pool sized from a memory budget measured
-at start (edgeinfer.device_memory: CUDA, free device memory after the weights are loaded and a
+at start (edgeinfer.worker.device_memory: CUDA, free device memory after the weights are loaded and a
 worst-case step has run; CPU, available RAM).
 """
 
@@ -29,13 +29,14 @@ import anyio
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.device_memory import num_kv_blocks, worst_case_step_bytes
-from edgeinfer.llm import build_model, graph_batch_sizes
-from edgeinfer.loader import LoadedModel
-from edgeinfer.messages import StepPlan, StepResult
-from edgeinfer.model_runner import ModelRunner, SeqChunk
-from edgeinfer.sampler import SampleOutput, SamplingBatch, processed_logits, sample, sampling_probs
-from edgeinfer.speculative import verify_greedy, verify_sampled, verify_uniforms
+from edgeinfer.core.messages import StepPlan, StepResult
+from edgeinfer.models.loader import LoadedModel
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.device_memory import num_kv_blocks, worst_case_step_bytes
+from edgeinfer.worker.llm import build_model, graph_batch_sizes
+from edgeinfer.worker.model_runner import ModelRunner
+from edgeinfer.worker.sampler import SampleOutput, SamplingBatch, processed_logits, sample, sampling_probs
+from edgeinfer.worker.verify import verify_greedy, verify_sampled, verify_uniforms
 from kernels.kv_pool import KVPool, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class StepRunner(Protocol):
     def free_step_bytes(self) -> int | None: ...
 
 
-Sampler = Callable[[torch.Tensor, SamplingBatch], SampleOutput]  # edgeinfer.sampler.sample's signature
+Sampler = Callable[[torch.Tensor, SamplingBatch], SampleOutput]  # edgeinfer.worker.sampler.sample's signature
 
 
 class ModelActor:
@@ -221,7 +222,7 @@ class ModelActor:
 def build_runner(loaded: LoadedModel, runtime: RuntimeConfig, step_tokens: int = 512,
                  step_seqs: int = 64) -> ModelRunner:
     """Prepare the weights for the runtime's device and path, run a worst-case step of
-    ``step_tokens`` tokens and ``step_seqs`` sampled rows (CUDA; see edgeinfer.device_memory),
+    ``step_tokens`` tokens and ``step_seqs`` sampled rows (CUDA; see edgeinfer.worker.device_memory),
     then size and allocate the pool from what is left."""
     model = build_model(loaded, runtime, take_weights=True)
     device, path, c = model.device, model.linear_path, loaded.config

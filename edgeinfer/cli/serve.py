@@ -1,7 +1,7 @@
 """Flags of `edgeinfer serve`, `edgeinfer daemon ...` and `edgeinfer chat`; nothing else reads argv.
 
-edgeinfer.cli calls `serve_main(argv)`, `daemon_main(argv)` and `chat_main(args)`; the daemon's
-background process runs `python -m transport.cli serve ... --daemon-state DIR`.
+edgeinfer.cli.main calls `serve_main(argv)`, `daemon_main(argv)` and `chat_main(args)`; the
+daemon's background process runs `python -m edgeinfer.cli serve ... --daemon-state DIR`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import signal
 import sys
 from pathlib import Path
 
-from edgeinfer.cli import add_runtime_args, model_path, runtime_config
+from edgeinfer.cli.options import add_runtime_args, model_path, runtime_config
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.host_memory import return_large_frees_to_the_os
+from edgeinfer.models.host_memory import return_large_frees_to_the_os
 from transport import auth, daemon
 from transport.server import ServerConfig
 
@@ -120,7 +120,7 @@ def _status(directory: Path) -> int:
 
 
 def chat_main(args: argparse.Namespace) -> int:
-    """`edgeinfer chat` (flags parsed by edgeinfer.cli: max_tokens, temperature and model flags)."""
+    """`edgeinfer chat` (flags parsed by edgeinfer.cli.main: max_tokens, temperature and model flags)."""
     from transport.chat import chat_repl, open_chat_backend, read_lines
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
@@ -147,9 +147,3 @@ def chat_main(args: argparse.Namespace) -> int:
     except asyncio.CancelledError:
         print()
         return 130
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("serve", "daemon"):
-        sys.exit((serve_main if sys.argv[1] == "serve" else daemon_main)(sys.argv[2:]))
-    sys.exit("usage: python -m transport.cli serve|daemon ...")

@@ -1,4 +1,4 @@
-"""Beam search on a real model: the step function edgeinfer.beam_search drives, over a ModelRunner.
+"""Beam search on a real model: the step function edgeinfer.core.beam_search drives, over a ModelRunner.
 
 Owns a BlockManager over the runner's pool (the pool is this search's alone) and the map from
 each live beam's tokens to its sequence there. Beams share KV blocks: the prompt is computed
@@ -15,9 +15,10 @@ from itertools import count
 
 import torch
 
-from edgeinfer.beam_search import BeamSearchParams, Hypothesis, beam_search
-from edgeinfer.block_manager import BlockManager
-from edgeinfer.model_runner import ModelRunner, SeqChunk
+from edgeinfer.core.beam_search import BeamSearchParams, BeamState, Hypothesis, beam_search
+from edgeinfer.core.block_manager import BlockManager
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.model_runner import ModelRunner
 
 
 def beam_pool_blocks(prompt_len: int, params: BeamSearchParams, block_size: int) -> int:
@@ -28,15 +29,17 @@ def beam_pool_blocks(prompt_len: int, params: BeamSearchParams, block_size: int)
 
 
 class BeamStepper:
-    """``step(prefixes) -> (B, V) logprobs`` for beam_search, caching K/V across steps."""
+    """``step(prefixes)`` -> each beam's top ``num_candidates`` (token id, logprob) pairs, for
+    beam_search, caching K/V across steps."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, num_candidates: int) -> None:
         self.runner = runner
+        self.num_candidates = num_candidates
         self.blocks = BlockManager(runner.pool.num_blocks, runner.block_size)
         self._live: dict[tuple[int, ...], int] = {}  # a beam's tokens -> its sequence, K/V of all of them cached
         self._ids = count()
 
-    def step(self, prefixes: list[list[int]]) -> torch.Tensor:
+    def step(self, prefixes: list[list[int]]) -> list[list[tuple[int, float]]]:
         if not self._live:
             if len(prefixes) != 1:
                 raise ValueError("the first step takes the prompt alone")
@@ -49,7 +52,10 @@ class BeamStepper:
             children, chunks = self._extend(prefixes)
         logits = self.runner.logits(chunks)
         self._live = {tuple(p): seq for p, seq in zip(prefixes, children, strict=True)}
-        return torch.log_softmax(logits.float(), dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = logprobs.topk(min(self.num_candidates, logprobs.shape[-1]), dim=-1)
+        return [list(zip(ids, values, strict=True)) for ids, values in zip(top.indices.tolist(), top.values.tolist(),
+                                                                           strict=True)]
 
     def _extend(self, prefixes: list[list[int]]) -> tuple[list[int], list[SeqChunk]]:
         parents = self._live
@@ -88,7 +94,7 @@ def beam_search_tokens(runner: ModelRunner, prompt_ids: Sequence[int], params: B
     if runner.pool.num_blocks < need:
         raise ValueError(f"beam search of width {params.width} over {len(prompt_ids)} + {params.max_tokens} "
                          f"tokens needs {need} KV blocks, the pool has {runner.pool.num_blocks}")
-    stepper = BeamStepper(runner)
+    stepper = BeamStepper(runner, BeamState(params).num_candidates)
     try:
         return beam_search(prompt_ids, stepper.step, params)
     finally:

@@ -4,7 +4,7 @@ Owns its own runner (weights and a one-sequence KV pool) and the list of tokens 
 pool holds. Each proposal first feeds whatever of the sequence the pool does not have yet
 (after a rejection, the tokens past the first disagreement are simply rewritten: slots are by
 position), then decodes k tokens one by one. It returns the draft distributions it sampled
-from, which the rejection rule in edgeinfer.speculative needs so that the emitted tokens keep
+from, which the rejection rule in edgeinfer.worker.verify needs so that the emitted tokens keep
 the target's distribution. Typical pairing: the int4 weights of a model drafting for its int8 or
 bf16 conversion; any model with the same vocabulary works.
 """
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from edgeinfer.model_runner import ModelRunner, SeqChunk
-from edgeinfer.sampler import SamplingBatch, processed_logits, sample_from_probs, sampling_probs, seeded_uniform
-from edgeinfer.sampling_params import SamplingParams
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.model_runner import ModelRunner
+from edgeinfer.worker.sampler import SamplingBatch, processed_logits, sample_from_probs, sampling_probs, seeded_uniform
 
 # Counter stream of seeded draft draws; generate_tokens' verification uses streams 1 and 2.
 DRAFT_STREAM = 3

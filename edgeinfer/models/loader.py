@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer import Tokenizer
 from quant.formats import QuantizedTensor
 from quant.gguf_import import ModelFileError, require_gguf_file
 
@@ -23,7 +23,7 @@ from quant.gguf_import import ModelFileError, require_gguf_file
 class LoadedModel:
     config: ModelConfig
     weights: Mapping[str, torch.Tensor | QuantizedTensor]  # a GGUF's are read when first used
-    tokenizer: Tokenizer | None  # None for synthetic models (edgeinfer.synthetic)
+    tokenizer: Tokenizer | None  # None for synthetic models (edgeinfer.models.synthetic)
     source: str  # "gguf" | "hf" | "edgeinfer"
 
 

@@ -32,10 +32,10 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from edgeinfer.actor import ActorFailed, ActorRef, Envelope
-from edgeinfer.events import ENGINE_CLOSED, INTERNAL, SLOW_READER, Error, Event, Finished, RequestError, Token
-from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.scheduler import Scheduler
+from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, SLOW_READER, Error, Event, Finished, RequestError, Token
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.scheduler import Scheduler
+from edgeinfer.engine.actor import ActorFailed, ActorRef, Envelope
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The text quantized key caches are calibrated on (edgeinfer.models.llama centres keys on it).
+"""Centring quantized key caches: the text they are calibrated on, and the measurement.
 
 Keys carry a large per-channel offset that is the same for every token (mostly the slow RoPE
 channels); a 4-bit group spends its range on it. Subtracting a fixed per-(layer, KV head) mean
@@ -9,7 +9,12 @@ short, mixed text (prose, code, a chat turn, numbers), deliberately not the eval
 
 from __future__ import annotations
 
-from edgeinfer.tokenizer import Tokenizer
+import torch
+
+from edgeinfer.models.llama import LlamaModel
+from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.worker.batch import CPU_PREFILL_CHUNK, SeqChunk, build_batch
+from kernels.kv_pool import KVPool
 
 CALIBRATION_TEXT = """\
 The history of the printing press begins in the fifteenth century, when movable type made books cheaper and
@@ -36,3 +41,22 @@ hours walking on the surface while Michael Collins orbited above.
 def calibration_ids(tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """Token ids of CALIBRATION_TEXT; empty without a tokenizer (keys are then not centred)."""
     return () if tokenizer is None else tuple(tokenizer.encode(CALIBRATION_TEXT))
+
+
+def prepare_quantized_kv(model: LlamaModel) -> None:
+    """Measure the model's key centres (once) before any quantized key cache is written: the
+    runner calls this when it binds the model to a pool with quantized keys. The calibration
+    text runs through the model's own forward in prompt chunks, into a scratch fp32 pool."""
+    if model.key_centres is not None or not model.kv_calibration_ids:
+        return
+    c = model.config
+    ids = tuple(model.kv_calibration_ids[: c.max_position])
+    num_blocks = -(-len(ids) // 16)
+    pool = KVPool(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32", model.device)
+    keys: list[torch.Tensor] = []  # layer by layer, chunk after chunk
+    for start in range(0, len(ids), CPU_PREFILL_CHUNK):  # bounded activations, as a prompt's prefill
+        chunk = SeqChunk(ids[start:start + CPU_PREFILL_CHUNK], start, tuple(range(num_blocks)))
+        token_ids, batch = build_batch([chunk], 16, model.device)
+        model.forward(token_ids, batch, pool, key_sink=keys)
+    model.key_centres = torch.stack([torch.cat(keys[layer::c.num_layers]).float().mean(dim=0)
+                                     for layer in range(c.num_layers)])

@@ -14,56 +14,26 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
-from edgeinfer.host_memory import return_large_frees_to_the_os
+from edgeinfer.cli.options import add_runtime_args, model_path, runtime_config
+from edgeinfer.models.host_memory import return_large_frees_to_the_os
 
 if TYPE_CHECKING:
-    from edgeinfer.draft_model import DraftModel
-    from edgeinfer.loader import LoadedModel
-    from edgeinfer.model_runner import ModelRunner
     from edgeinfer.models.llama import LlamaModel
-
-
-def model_path(arg: str | None) -> Path:
-    """--model, else the default model (pulled if missing)."""
-    from edgeinfer.pull import default_model_path, pull
-
-    if arg:
-        return Path(arg)
-    path = default_model_path()
-    return path if path.is_file() else pull()
-
-
-def add_runtime_args(p: argparse.ArgumentParser) -> None:
-    """The model and runtime flags every model-running subcommand shares."""
-    p.add_argument("--model", help="GGUF file, HF folder or edgeinfer checkpoint (default: the pulled default model)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
-    p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
-                   help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
-    p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
-                   help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
-    p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")
-    p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V cache format (overrides --kv-dtype)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
-
-
-def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
-    return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
-                         k_dtype=args.k_dtype, v_dtype=args.v_dtype, num_threads=args.threads,
-                         cuda_graphs=args.cuda_graphs)
+    from edgeinfer.models.loader import LoadedModel
+    from edgeinfer.worker.draft_model import DraftModel
+    from edgeinfer.worker.model_runner import ModelRunner
 
 
 def _load(args: argparse.Namespace) -> tuple[LoadedModel, LlamaModel]:
-    from edgeinfer.llm import build_model
-    from edgeinfer.loader import load_model
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.worker.llm import build_model
 
     loaded = load_model(model_path(args.model))
     return loaded, build_model(loaded, runtime_config(args), take_weights=True)
 
 
 def _runner(args: argparse.Namespace, model: LlamaModel, num_tokens: int) -> ModelRunner:
-    from edgeinfer.llm import single_stream_runner
+    from edgeinfer.worker.llm import single_stream_runner
 
     if num_tokens > model.config.max_position:
         raise ValueError(f"prompt_too_long: {num_tokens} tokens (prompt + new) exceed the model's context "
@@ -72,16 +42,16 @@ def _runner(args: argparse.Namespace, model: LlamaModel, num_tokens: int) -> Mod
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from edgeinfer.pull import pull
+    from edgeinfer.models.pull import pull
 
     print(pull())
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from edgeinfer.llm import generate_tokens
-    from edgeinfer.sampling_params import SamplingParams
-    from edgeinfer.stop import StopChecker
+    from edgeinfer.core.sampling_params import SamplingParams
+    from edgeinfer.core.stop import StopChecker
+    from edgeinfer.worker.llm import generate_tokens
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
@@ -108,9 +78,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _beam_generate(args: argparse.Namespace, loaded: LoadedModel, model: LlamaModel, prompt_ids: list[int]) -> int:
     """generate --beam-width: the best --num-results continuations, with their scores when several."""
-    from edgeinfer.beam_runner import beam_pool_blocks, beam_search_tokens
-    from edgeinfer.beam_search import BeamSearchParams
-    from edgeinfer.llm import single_stream_runner
+    from edgeinfer.core.beam_search import BeamSearchParams
+    from edgeinfer.worker.beam_runner import beam_pool_blocks, beam_search_tokens
+    from edgeinfer.worker.llm import single_stream_runner
 
     conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
                                        ("--speculative", bool(args.speculative)),
@@ -139,9 +109,9 @@ def _beam_generate(args: argparse.Namespace, loaded: LoadedModel, model: LlamaMo
 def _drafter(args: argparse.Namespace, num_tokens: int) -> str | DraftModel | None:
     """generate's drafter: --draft-model (a DraftModel), --speculative ngram, or none."""
     if args.draft_model:
-        from edgeinfer.draft_model import DraftModel
-        from edgeinfer.llm import build_model, single_stream_runner
-        from edgeinfer.loader import load_model
+        from edgeinfer.models.loader import load_model
+        from edgeinfer.worker.draft_model import DraftModel
+        from edgeinfer.worker.llm import build_model, single_stream_runner
 
         draft = build_model(load_model(model_path(args.draft_model)), runtime_config(args), take_weights=True)
         return DraftModel(single_stream_runner(draft, runtime_config(args), num_tokens))
@@ -149,9 +119,9 @@ def _drafter(args: argparse.Namespace, num_tokens: int) -> str | DraftModel | No
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from edgeinfer.llm import generate_tokens, prefill
-    from edgeinfer.model_runner import SeqChunk
-    from edgeinfer.sampling_params import SamplingParams
+    from edgeinfer.core.sampling_params import SamplingParams
+    from edgeinfer.worker.batch import SeqChunk
+    from edgeinfer.worker.llm import generate_tokens, prefill
 
     loaded, model = _load(args)
     runner = _runner(args, model, args.prompt_tokens + args.new_tokens + 1)
@@ -186,7 +156,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from transport.cli import chat_main
+    from edgeinfer.cli.serve import chat_main
 
     return chat_main(args)
 
@@ -201,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
 
             run = quant_cli.quantize_main if argv[0] == "quantize" else quant_cli.eval_ppl_main
         else:
-            from transport import cli as transport_cli
+            from edgeinfer.cli import serve
 
-            run = transport_cli.serve_main if argv[0] == "serve" else transport_cli.daemon_main
+            run = serve.serve_main if argv[0] == "serve" else serve.daemon_main
         return run(argv[1:])
 
     parser = argparse.ArgumentParser(prog="edgeinfer", description="Quantized LLM inference at the edge.")
@@ -266,7 +236,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

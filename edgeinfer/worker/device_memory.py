@@ -17,6 +17,8 @@ import torch
 
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.llama import LlamaModel
+from edgeinfer.worker.batch import SeqChunk, build_batch
+from edgeinfer.worker.kv_calibration import prepare_quantized_kv
 from kernels.kv_pool import KVPool
 
 
@@ -60,8 +62,6 @@ def worst_case_step_bytes(model: LlamaModel, runtime: RuntimeConfig, step_tokens
     (whose own bytes are not counted); 0 off CUDA. An out-of-memory error here names the step."""
     if model.device.type != "cuda":
         return 0
-    from edgeinfer.model_runner import SeqChunk, build_batch  # model_runner imports this module
-
     c = model.config
     step_seqs = max(1, min(step_seqs, step_tokens))
     long_len = min(step_tokens - (step_seqs - 1), c.max_position)
@@ -70,7 +70,7 @@ def worst_case_step_bytes(model: LlamaModel, runtime: RuntimeConfig, step_tokens
     ids = [(7 * i + 11) % c.vocab_size for i in range(long_len)]
     chunks = [SeqChunk(tuple(ids), 0, tuple(range(long_blocks)))]
     chunks += [SeqChunk((ids[i % long_len],), 0, (long_blocks + i,)) for i in range(step_seqs - 1)]
-    model.prepare_quantized_kv()  # before any quantized key is written (no-op for plain caches)
+    prepare_quantized_kv(model)  # before any quantized key is written (no-op for plain caches)
     torch.cuda.synchronize(model.device)
     pool = KVPool(c.num_layers, long_blocks + step_seqs - 1, bs, c.num_kv_heads, c.head_dim,
                   runtime.key_dtype, runtime.value_dtype, model.device)

@@ -3,7 +3,7 @@
 `build_model` is the one place that turns a loaded checkpoint plus runtime settings into a
 LlamaModel (linear path, head format, threads). `generate_tokens` drives one sequence through a
 ModelRunner with contiguous blocks: the offline path used by `edgeinfer bench` and as the
-"alone" oracle in tests. Serving many streams goes through edgeinfer.engine instead.
+"alone" oracle in tests. Serving many streams goes through edgeinfer.engine.api instead.
 """
 
 from __future__ import annotations
@@ -13,22 +13,17 @@ from collections.abc import Iterator
 import torch
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.draft_model import DraftModel
-from edgeinfer.kv_calibration import calibration_ids
-from edgeinfer.loader import LoadedModel
-from edgeinfer.model_runner import ModelRunner, SeqChunk
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.speculative import PROMPT_LOOKUP_NGRAM_MIN, AdaptiveK, propose_ngram
 from edgeinfer.models.llama import LlamaModel
-from edgeinfer.sampler import SamplingBatch, processed_logits, sample, sampling_probs
-from edgeinfer.sampling_params import SamplingParams
-from edgeinfer.speculative import (
-    PROMPT_LOOKUP_NGRAM_MIN,
-    AdaptiveK,
-    propose_ngram,
-    verify_greedy,
-    verify_sampled,
-    verify_uniforms,
-)
-from kernels.dispatch import CPU_KERNEL_MAX_M, resolve_path
+from edgeinfer.models.loader import LoadedModel
+from edgeinfer.worker.batch import CPU_PREFILL_CHUNK, SeqChunk
+from edgeinfer.worker.draft_model import DraftModel
+from edgeinfer.worker.kv_calibration import calibration_ids
+from edgeinfer.worker.model_runner import ModelRunner
+from edgeinfer.worker.sampler import SamplingBatch, processed_logits, sample, sampling_probs
+from edgeinfer.worker.verify import verify_greedy, verify_sampled, verify_uniforms
+from kernels.dispatch import resolve_path
 from kernels.kv_pool import KVPool
 
 NGRAM = "ngram"  # generate_tokens' drafter for prompt lookup
@@ -69,15 +64,6 @@ def single_stream_runner(model: LlamaModel, runtime: RuntimeConfig, max_tokens: 
     return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime))
 
 
-# Single-stream prompts run in chunks of this many tokens on the CPU: as many rows as the AVX2
-# int4 kernel takes (kernels.dispatch), so prefill reads the int4 weights in place instead of
-# dequantizing each into a 7 MB fp32 scratch for MKL's GEMM (whose first call also keeps ~5 MB
-# of buffers). Measured on the default model (bench, 3 alternated runs): 256-token prompt
-# 349-404 tok/s and 388-392 MB peak RSS vs 226-389 / 398-400 with 128-token dequantized chunks;
-# 1024 tokens 277-284 / 425-427 vs 218-279 / 446-448 (session 6 had 128 against 256-token chunks
-# and the whole prompt: 214 / 179 / 141 tok/s). CUDA runs the whole prompt: there a bigger GEMM
-# is the faster one.
-CPU_PREFILL_CHUNK = CPU_KERNEL_MAX_M
 
 
 def prefill(runner: ModelRunner, prompt_ids: list[int], chunk: int | None = None) -> torch.Tensor:
@@ -104,7 +90,7 @@ def generate_tokens(
     drafter: str | DraftModel | None = None,
 ) -> Iterator[int]:
     """Yield sampled token ids for one sequence until max_tokens, EOS or a stop token id.
-    Stop strings are the caller's business (edgeinfer.stop.StopChecker). The prompt runs
+    Stop strings are the caller's business (edgeinfer.core.stop.StopChecker). The prompt runs
     ``prefill_chunk`` tokens per forward (see ``prefill``).
 
     ``drafter`` turns on speculative decoding: "ngram" drafts by prompt lookup (n-grams of the

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.loader import LoadedModel
+from edgeinfer.models.loader import LoadedModel
 from quant.formats import QuantizedTensor
 
 WEIGHT_FORMATS = ("int4", "int8")

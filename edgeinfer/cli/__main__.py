@@ -1,0 +1,5 @@
+import sys
+
+from edgeinfer.cli.main import main
+
+sys.exit(main())
