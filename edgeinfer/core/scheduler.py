@@ -23,13 +23,6 @@ deadlock. A chunk that reaches the sequence's last token samples its next token;
 `postprocess()` commits computed blocks for prefix sharing, runs the stop checks and finishes
 sequences, whose blocks are freed at once so a waiting request can join the next step.
 
-Parallel sampling (n > 1). A request starts as one sequence, choice 0. Its first sampling step
-draws n tokens from the one prompt's logits (SeqStep.choices), then `postprocess` forks choices
-1..n-1 from it: they share every prompt block and copy the partial last one on their first
-append (copy-on-write). From then on each choice is an ordinary running sequence (own stop
-checks, preemptible alone); the request finishes, with every choice in `Finished.choices`, when
-its last choice does. Admission counts the blocks of all n choices' lifetimes.
-
 Speculative decoding (SchedulerConfig.speculative = "ngram"). While few sequences run, a
 decoding sequence may carry prompt-lookup drafts: its step feeds (last token, *drafts), whose
 slots are reserved first (never by preempting anyone: no free blocks, no drafts), and the model
@@ -38,14 +31,10 @@ the output distribution is the target's). Rejected drafts' slots stay reserved a
 overwritten later (num_slots may exceed the tokens). num_computed then counts only verified
 tokens. Each sequence's AdaptiveK sets its draft length from its acceptance rate.
 
-Beam search (SamplingParams.beam_width > 0). The request starts as one sequence; every live
-beam is an ordinary running sequence whose sampling step instead returns its best next tokens
-with log-probabilities (SeqStep.beam_candidates). Once every live beam of the group has
-reported (usually in one step; a preempted beam reports after its recompute), the group's
-BeamState picks the next beams, each forked from its parent in the block manager (shared blocks,
-copy-on-write on the first append), and the parents are released. Nothing streams during the
-search: when it ends, each of the n best hypotheses comes as one Token event (its index), then
-one Finished listing them with their scores.
+Siblings hold the rest of the scheduler's methods, by job: admission.py (add_request and the
+admission rule), forks.py (parallel sampling's choices and beam search's beams), output.py
+(tokens through stop checks and detokenizers, finished requests and their usage); sequence.py
+holds the per-sequence state they all write.
 """
 
 from __future__ import annotations
@@ -54,95 +43,21 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.core.beam_search import BeamSearchParams, BeamState
+from edgeinfer.core.admission import AdmissionMixin
 from edgeinfer.core.block_manager import BlockManager
-from edgeinfer.core.events import (
-    INTERNAL,
-    INVALID_PARAMS,
-    OVERLOADED,
-    PROMPT_TOO_LONG,
-    Accepted,
-    Error,
-    Event,
-    Finished,
-    RequestError,
-    Token,
-    TokenLogprob,
-    Usage,
-)
+from edgeinfer.core.events import INTERNAL, Error, Event
+from edgeinfer.core.forks import ForkMixin
 from edgeinfer.core.messages import SeqStep, StepPlan, StepResult
-from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
-from edgeinfer.core.speculative import PROMPT_LOOKUP_NGRAM_MIN, AdaptiveK, propose_ngram
-from edgeinfer.core.stop import StopChecker
+from edgeinfer.core.output import OutputMixin
+from edgeinfer.core.sequence import Detokenizer, SchedulerStats, SeqState
+from edgeinfer.core.speculative import PROMPT_LOOKUP_NGRAM_MIN, propose_ngram
 
 log = logging.getLogger(__name__)
 
 
-class Detokenizer(Protocol):
-    def push(self, token_id: int) -> str: ...
-
-
-@dataclass
-class BeamGroup:
-    """A beam search request's live beams (aligned with state.beams) and this round's reports."""
-
-    request_id: str
-    prompt_len: int
-    arrival_s: float
-    state: BeamState
-    seqs: list[SeqState]
-    reported: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)  # seq id -> candidates
-
-
-@dataclass
-class SeqState:
-    seq_id: int
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    max_len: int  # prompt + max_tokens, capped by the context and the pool
-    arrival_s: float
-    detokenizer: Detokenizer
-    stop: StopChecker
-    index: int = 0  # choice index (n > 1)
-    draft_k: AdaptiveK = field(default_factory=AdaptiveK)  # speculative draft length
-    to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
-    finish_reason: str | None = None
-    beam: BeamGroup | None = None
-    output_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    num_computed: int = 0  # leading tokens whose K/V is in the pool
-    num_slots: int = 0  # token slots the block manager holds for it (0: no blocks)
-    block_table: tuple[int, ...] = ()
-    num_cached_tokens: int = 0  # prefix-cache hits at first admission
-    peak_blocks: int = 0
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [*self.prompt_ids, *self.output_ids]
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_blocks_used: int
-    num_blocks_free: int
-    num_blocks_cached: int
-    prefix_hit_rate: float
-    num_generated_tokens: int
-    num_preemptions: int
-
-
-class Scheduler:
+class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int, max_model_len: int,
                  vocab_size: int, eos_token_ids: Sequence[int], bytes_per_token: int,
                  make_detokenizer: Callable[[], Detokenizer], namespace: str = "",
@@ -173,52 +88,6 @@ class Scheduler:
         self.num_memory_capped_steps = 0
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> Accepted:
-        """Queue a request, or raise RequestError (invalid_params, prompt_too_long, overloaded)."""
-        if request_id in self._by_request:
-            raise RequestError(INVALID_PARAMS, f"request id {request_id!r} is already in use")
-        if not prompt_ids:
-            raise RequestError(INVALID_PARAMS, "the prompt is empty")
-        width = max(params.n, params.beam_width)
-        if width > self.config.max_num_seqs:
-            raise RequestError(INVALID_PARAMS, f"n / beam_width is {width}; at most max_num_seqs = "
-                                               f"{self.config.max_num_seqs} sequences run at once")
-        try:
-            params.check_vocab(self.vocab_size)
-        except InvalidParams as exc:
-            raise RequestError(INVALID_PARAMS, str(exc)) from None
-        if params.max_tokens > self.max_model_len:
-            raise RequestError(INVALID_PARAMS, f"max_tokens must be at most the model's context of "
-                                               f"{self.max_model_len} tokens, got {params.max_tokens}")
-        if not all(0 <= t < self.vocab_size for t in prompt_ids):
-            raise RequestError(INVALID_PARAMS, f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise RequestError(PROMPT_TOO_LONG, (
-                f"the prompt has {len(prompt_ids)} tokens; at most {self.max_seq_len - 1} fit "
-                f"(context and KV pool of {self.block_manager.num_blocks * self.block_size} tokens)"))
-        if len(self.waiting) >= self.config.max_waiting:
-            raise RequestError(OVERLOADED, f"{len(self.waiting)} requests are already waiting",
-                               self.config.retry_after_s)
-        max_len = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
-        if self._lifetime_blocks(len(prompt_ids), max_len, width) > self.block_manager.num_blocks:
-            raise RequestError(INVALID_PARAMS, (
-                f"{width} sequences of {max_len} tokens (n / beam_width) do not fit the KV pool of "
-                f"{self.block_manager.num_blocks * self.block_size} tokens; lower n, beam_width or max_tokens"))
-        seq = SeqState(self._next_seq_id, request_id, tuple(prompt_ids), params, max_len, self._clock(),
-                       self._make_detokenizer(), StopChecker(params, self.eos_token_ids),
-                       to_fork=0 if params.beam_width else params.n - 1)
-        if params.beam_width:
-            eos = () if params.ignore_eos else self.eos_token_ids
-            search = BeamSearchParams(params.beam_width, max_len - len(prompt_ids), params.n, params.length_penalty,
-                                      params.early_stopping, tuple(dict.fromkeys((*eos, *params.stop_token_ids))))
-            seq.beam = BeamGroup(request_id, len(prompt_ids), seq.arrival_s, BeamState(search), [seq])
-        self._next_seq_id += 1
-        position = len(self.waiting)
-        self.waiting.append(seq)
-        self._by_request[request_id] = [seq]
-        self._by_seq[seq.seq_id] = seq
-        return Accepted(request_id, position, len(prompt_ids))
-
     def abort(self, request_id: str) -> bool:
         """Drop a request (client gone): its blocks are free when this returns."""
         choices = self._by_request.pop(request_id, None)
@@ -338,116 +207,6 @@ class Scheduler:
                                             self._logprobs(choice, result, row + offset)))
         return events
 
-    def _emit_verified(self, seq: SeqState, step: SeqStep, tokens: tuple[int, ...], now: float) -> list[Event]:
-        """A drafted step: the accepted drafts and the sampled token, K/V valid up to the last
-        accepted draft."""
-        num_accepted = len(tokens) - 1
-        seq.draft_k = seq.draft_k.update(len(step.draft_ids), num_accepted)
-        seq.num_computed = step.start_pos + 1 + num_accepted
-        events = self._emit_tokens(seq, tokens, now, None)
-        if seq.seq_id in self._by_seq:  # still running: its verified full blocks become shareable
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-        return events
-
-    def _emit_tokens(self, seq: SeqState, tokens: tuple[int, ...], now: float,
-                     logprobs: tuple[TokenLogprob, ...] | None) -> list[Event]:
-        """Append tokens (several after accepted drafts) until one finishes the sequence; the
-        rest are dropped. One Token event with their text."""
-        taken: list[int] = []
-        text, reason = "", None
-        for token_id in tokens:
-            seq.output_ids.append(token_id)
-            taken.append(token_id)
-            piece, reason = seq.stop.push(token_id, seq.detokenizer.push(token_id))
-            text += piece
-            if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
-                text, reason = text + seq.stop.flush(), "length"  # the context or pool is full
-            if reason is not None:
-                break
-        self.num_generated_tokens += len(taken)
-        if seq.first_token_s is None:
-            seq.first_token_s = now
-        seq.last_token_s = now
-        seq.text.append(text)
-        events: list[Event] = [Token(seq.request_id, tuple(taken), text, now - seq.arrival_s, logprobs, seq.index)]
-        if reason is not None:
-            finished = self._finish(seq, reason, now)
-            if finished is not None:
-                events.append(finished)
-        return events
-
-    def _advance_beams(self, group: BeamGroup, now: float) -> list[Event]:
-        """Every live beam reported: pick the next beams, fork them from their parents, release
-        the parents; at the end of the search, the results."""
-        parents = group.state.advance([group.reported[seq.seq_id] for seq in group.seqs])
-        children = [] if group.state.done else [
-            self._beam_child(group.seqs[p], tokens) for p, (tokens, _) in zip(parents, group.state.beams, strict=True)]
-        for seq in group.seqs:  # after the forks: children keep the blocks they share
-            self._drop(seq)
-        group.seqs, group.reported = children, {}
-        self.num_generated_tokens += len(parents)
-        if group.state.done:
-            return self._beam_results(group, now)
-        self._by_request[group.request_id] = list(children)
-        return []
-
-    def _beam_child(self, parent: SeqState, tokens: tuple[int, ...]) -> SeqState:
-        """A new beam with output ``tokens``: parent's blocks shared, or, if the parent was
-        preempted while its group waited, recomputed from the head of the waiting queue."""
-        # The detokenizer and stop checker are never fed for beams: the results are decoded at the end.
-        child = SeqState(self._next_seq_id, parent.request_id, parent.prompt_ids, parent.params, parent.max_len,
-                         parent.arrival_s, parent.detokenizer, parent.stop, beam=parent.beam,
-                         output_ids=list(tokens))
-        self._next_seq_id += 1
-        child.num_cached_tokens, child.first_scheduled_s = parent.num_cached_tokens, parent.first_scheduled_s
-        self._by_seq[child.seq_id] = child
-        if parent.num_slots:
-            child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
-            self.running.append(child)
-        else:
-            self.waiting.appendleft(child)
-        return child
-
-    def _drop(self, seq: SeqState) -> None:
-        """Take a beam's sequence out of its queue and free its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self._release(seq)
-
-    def _beam_results(self, group: BeamGroup, now: float) -> list[Event]:
-        """The finished search: one Token event per result (its index), then the Finished."""
-        events: list[Event] = []
-        choices = []
-        for index, hyp in enumerate(group.state.results()):
-            detokenizer = self._make_detokenizer()
-            text = "".join(detokenizer.push(t) for t in hyp.token_ids)
-            events.append(Token(group.request_id, hyp.token_ids, text, now - group.arrival_s, None, index))
-            choices.append({"index": index, "text": text, "finish_reason": hyp.finish_reason,
-                            "completion_tokens": len(hyp.token_ids), "score": hyp.score, "logprob": hyp.logprob})
-        del self._by_request[group.request_id]
-        usage = Usage(prompt_tokens=group.prompt_len, completion_tokens=sum(c["completion_tokens"] for c in choices),
-                      ttft_s=now - group.arrival_s, total_time_s=now - group.arrival_s)
-        return events + [Finished(group.request_id, choices[0]["finish_reason"], usage, choices[0]["text"],
-                                  tuple(choices))]
-
-    def _fork(self, parent: SeqState, index: int) -> SeqState:
-        """Choice ``index`` of parent's request: shares parent's blocks (prompt computed, no output)."""
-        child = SeqState(self._next_seq_id, parent.request_id, parent.prompt_ids, parent.params, parent.max_len,
-                         parent.arrival_s, self._make_detokenizer(), StopChecker(parent.params, self.eos_token_ids),
-                         index=index)
-        self._next_seq_id += 1
-        child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
-        child.num_cached_tokens, child.first_scheduled_s = parent.num_cached_tokens, parent.first_scheduled_s
-        parent.to_fork = 0
-        self.running.append(child)
-        self._by_request[parent.request_id].append(child)
-        self._by_seq[child.seq_id] = child
-        return child
-
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting), bm.num_blocks, bm.num_used, bm.num_free,
@@ -532,59 +291,3 @@ class Scheduler:
             if victim is seq:
                 return False, [], preempted
 
-    def _lifetime_blocks(self, prompt_len: int, max_len: int, n: int) -> int:
-        """Blocks a request may hold at once: its first choice's lifetime, plus each other
-        choice's output and one copy-on-write block."""
-        own = -(-max_len // self.block_size)
-        return own + (n - 1) * (-(-(max_len - prompt_len) // self.block_size) + 1)
-
-    def _can_admit(self, seq: SeqState) -> bool:
-        width = seq.to_fork + 1
-        if seq.beam is not None:
-            if seq.beam.state.step:
-                return True  # a beam back from preemption: its group waits on it, blocks permitting
-            width = seq.params.beam_width
-        if width > 1 and len(self.running) + width > self.config.max_num_seqs:
-            return False  # its choices / beams join the running batch at the first sample
-        if not self.running:
-            return True  # it fits the pool alone (checked at add_request)
-        lifetime = self._lifetime_blocks(len(seq.prompt_ids), seq.max_len, width)
-        return lifetime + self._watermark <= self.block_manager.num_available
-
-    def _finish(self, seq: SeqState, reason: str, now: float) -> Finished | None:
-        """Retire one choice; the request's Finished once its last choice is done."""
-        self.running.remove(seq)
-        self._release(seq)
-        seq.finish_reason = reason
-        choices = self._by_request[seq.request_id]
-        if any(c.finish_reason is None for c in choices) or seq.to_fork:
-            return None
-        del self._by_request[seq.request_id]
-        firsts = [c.first_token_s for c in choices if c.first_token_s is not None]
-        lasts = [c.last_token_s for c in choices if c.last_token_s is not None]
-        first, last = min(firsts, default=now), max(lasts, default=now)
-        longest = max(len(c.output_ids) for c in choices)
-        usage = Usage(
-            prompt_tokens=len(seq.prompt_ids), completion_tokens=sum(len(c.output_ids) for c in choices),
-            cached_prompt_tokens=choices[0].num_cached_tokens,
-            queue_time_s=(choices[0].first_scheduled_s or now) - seq.arrival_s,
-            ttft_s=first - seq.arrival_s, tpot_s=(last - first) / (longest - 1) if longest > 1 else 0.0,
-            total_time_s=now - seq.arrival_s,
-            # Shared prompt blocks count once per choice: an upper bound for n > 1.
-            peak_kv_bytes=sum(c.peak_blocks for c in choices) * self.block_size * self.bytes_per_token)
-        listed = () if len(choices) == 1 else tuple(
-            {"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
-             "completion_tokens": len(c.output_ids)} for c in sorted(choices, key=lambda c: c.index))
-        return Finished(seq.request_id, choices[0].finish_reason, usage, "".join(choices[0].text), listed)
-
-    def _release(self, seq: SeqState) -> None:
-        if seq.num_slots:
-            self.block_manager.free(seq.seq_id)
-            seq.num_slots = 0
-        self._by_seq.pop(seq.seq_id, None)
-
-    def _logprobs(self, seq: SeqState, result: StepResult, row: int) -> tuple[TokenLogprob, ...] | None:
-        if result.logprobs is None or seq.params.logprobs is None:
-            return None
-        top = result.top_logprobs[row] if result.top_logprobs is not None else ()
-        return (TokenLogprob(result.token_ids[row], result.logprobs[row], tuple(top)),)

@@ -176,5 +176,5 @@ def test_env_var_turns_the_ops_off():
     code = "from kernels import cpu_ops; print(cpu_ops.available())"
     env = {**os.environ, cpu_ops.KERNEL_ENV: "torch"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "False"

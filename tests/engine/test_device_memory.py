@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_scheduler import VOCAB, FakeRunner, Letters, expected_tokens
+from fake_runner import VOCAB, FakeRunner, Letters, expected_tokens
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from edgeinfer.core.events import Token

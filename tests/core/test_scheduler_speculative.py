@@ -6,10 +6,10 @@ batches do not draft."""
 from __future__ import annotations
 
 import torch
+from fake_runner import VOCAB, make, run_all, step
 
 from edgeinfer.core.events import Finished, Token
 from edgeinfer.core.sampling_params import SamplingParams
-from tests.test_scheduler import VOCAB, make, run_all, step
 
 PERIOD = 5
 

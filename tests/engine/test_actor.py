@@ -6,7 +6,7 @@ import threading
 
 import anyio
 import pytest
-from test_scheduler import VOCAB, FakeRunner, Letters, expected_tokens
+from fake_runner import VOCAB, FakeRunner, Letters, expected_tokens
 
 from edgeinfer.config import ModelConfig, SchedulerConfig
 from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, Accepted, Error, Finished, Token

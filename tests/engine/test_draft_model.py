@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from oracles import chi_square_pvalue
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.core.sampling_params import SamplingParams
@@ -17,7 +18,6 @@ from edgeinfer.worker.llm import NGRAM, generate_tokens
 from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import SamplingBatch, sampling_probs
 from kernels.kv_pool import KVPool
-from tests.test_speculative import chi_square_pvalue
 
 TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, max_position=128)

@@ -14,7 +14,7 @@ from transport import auth, daemon
 from transport.chat import RemoteChat, chat_repl, open_chat_backend
 from transport.client import connect
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

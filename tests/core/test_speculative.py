@@ -4,20 +4,12 @@ the adaptive draft length."""
 
 import pytest
 import torch
+from oracles import chi_square_pvalue
 
 from edgeinfer.core.speculative import AdaptiveK, propose_ngram
 from edgeinfer.worker.verify import verify_greedy, verify_sampled
 
 VOCAB = 4
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    counts, probs = counts.double(), probs.double()
-    assert counts[probs == 0].sum() == 0
-    expected = probs[probs > 0] * counts.sum()
-    stat = ((counts[probs > 0] - expected) ** 2 / expected).sum()
-    df = torch.tensor(float((probs > 0).sum() - 1))
-    return torch.special.gammaincc(df / 2, stat / 2).item()  # chi2 survival function
 
 
 @pytest.mark.parametrize("token_ids, k, kwargs, expected", [

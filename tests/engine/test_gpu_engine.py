@@ -30,7 +30,7 @@ from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NUM_TOKENS = 16
 GPU_NEAR_TIE = 0.05  # fp32 logit gap under which fp16 rounding may pick the other token
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32)

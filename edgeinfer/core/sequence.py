@@ -1,0 +1,73 @@
+"""The scheduler's per-sequence state (one SeqState per running choice or beam), a beam search's
+group, and the counters it reports. Written only by the scheduler (edgeinfer.core.scheduler and
+its sibling modules); plain Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from edgeinfer.core.beam_search import BeamState
+from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.speculative import AdaptiveK
+from edgeinfer.core.stop import StopChecker
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+
+@dataclass
+class BeamGroup:
+    """A beam search request's live beams (aligned with state.beams) and this round's reports."""
+
+    request_id: str
+    prompt_len: int
+    arrival_s: float
+    state: BeamState
+    seqs: list[SeqState]
+    reported: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)  # seq id -> candidates
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    max_len: int  # prompt + max_tokens, capped by the context and the pool
+    arrival_s: float
+    detokenizer: Detokenizer
+    stop: StopChecker
+    index: int = 0  # choice index (n > 1)
+    draft_k: AdaptiveK = field(default_factory=AdaptiveK)  # speculative draft length
+    to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
+    finish_reason: str | None = None
+    beam: BeamGroup | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V is in the pool
+    num_slots: int = 0  # token slots the block manager holds for it (0: no blocks)
+    block_table: tuple[int, ...] = ()
+    num_cached_tokens: int = 0  # prefix-cache hits at first admission
+    peak_blocks: int = 0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.prompt_ids, *self.output_ids]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    prefix_hit_rate: float
+    num_generated_tokens: int
+    num_preemptions: int
