@@ -41,7 +41,7 @@ from quant.nf4 import quantize_nf4
 
 Weight = torch.Tensor | QuantizedTensor
 WEIGHT_FORMATS = ("int8", "int4", "nf4", "fp16", "bf16")
-CALIBRATION_METHODS = ("gptq", "awq")
+CALIBRATION_METHODS = ("gptq",)  # AWQ is offered once it works (issue #25)
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 DEFAULT_GROUP = {"int4": 32, "nf4": 64, "int8": None}
@@ -71,8 +71,6 @@ class ConvertOptions:
         if self.calibrate is not None:
             if self.calibrate not in CALIBRATION_METHODS:
                 raise ValueError(f"--calibrate must be one of {CALIBRATION_METHODS}, got {self.calibrate!r}")
-            if self.calibrate == "awq":
-                raise ValueError("--calibrate awq is not implemented; use --calibrate gptq")
             if self.weights not in ("int4", "int8"):
                 raise ValueError(f"--calibrate gptq quantizes to int4 or int8, not {self.weights}")
             if not self.calib_data:

@@ -36,7 +36,7 @@ from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.core.scheduler import Scheduler
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
-from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, build_runner
+from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, build_runner, compute_thread
 from edgeinfer.engine.scheduler_actor import EngineStats, SchedulerActor, Submit
 from edgeinfer.models.loader import load_model
 from edgeinfer.models.tokenizer import Tokenizer
@@ -117,11 +117,16 @@ class Engine:
         return self._health
 
     async def __aenter__(self) -> Engine:
+        self._compute = compute_thread()  # loads the model and runs every step (see compute_thread)
         if self._runner is None:
-            loaded = await anyio.to_thread.run_sync(load_model, self.config.model_path)
-            sc = self._scheduler_config
-            self._runner = await anyio.to_thread.run_sync(build_runner, loaded, self.config.runtime,
-                                                          sc.max_num_batched_tokens, sc.max_num_seqs)
+            try:
+                loaded = await self._on_compute_thread(load_model, self.config.model_path)
+                sc = self._scheduler_config
+                self._runner = await self._on_compute_thread(build_runner, loaded, self.config.runtime,
+                                                             sc.max_num_batched_tokens, sc.max_num_seqs)
+            except BaseException:
+                self._compute.shutdown(wait=False)
+                raise
             self._tokenizer, self._model_config = loaded.tokenizer, loaded.config
         c, pool = self._model_config, self._runner.pool
         scheduler = Scheduler(
@@ -133,7 +138,8 @@ class Engine:
             activation_bytes_per_token=self._runner.activation_bytes_per_token)
         model_ref, self._model_inbox = mailbox("model", 1)
         self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
-        self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids, sampler=self._sampler)
+        self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids, sampler=self._sampler,
+                                       thread=self._compute)
         self._scheduler_actor = SchedulerActor(scheduler, model_ref)
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens)", pool.num_blocks, pool.block_size,
                  pool.num_blocks * pool.block_size)
@@ -143,6 +149,8 @@ class Engine:
             await self._tg.start(self._supervise)
         except BaseException as exc:
             await self._tg.__aexit__(type(exc), exc, exc.__traceback__)
+            self._model_actor.close()
+            self._compute.shutdown(wait=False)
             raise
         return self
 
@@ -157,6 +165,10 @@ class Engine:
             await self._tg.__aexit__(None, None, None)
         finally:
             self._model_actor.close()
+            self._compute.shutdown(wait=False)
+
+    async def _on_compute_thread(self, fn: Any, *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(self._compute.submit(fn, *args).result)
 
     async def _supervise(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:

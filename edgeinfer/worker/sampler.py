@@ -172,8 +172,11 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torc
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Steps 1-4: penalties, logit_bias, min_tokens masking. Returns a new (B, V) float32."""
-    logits = logits.to(torch.float32, copy=True)
+    """Steps 1-4: penalties, logit_bias, min_tokens masking. Returns (B, V) float32: a new
+    tensor, or the input itself when no step applies (callers never write into it)."""
+    has_bias, has_suppress = batch.bias_rows.numel() > 0, batch.suppress_rows.numel() > 0
+    # A plain greedy row skips the copy and the empty index ops: ~70 us of a 7 ms decode step.
+    logits = logits.to(torch.float32, copy=batch.output_counts is not None or has_bias or has_suppress)
     if batch.output_counts is not None:
         counts = batch.output_counts
         seen = batch.seen_in_prompt | (counts > 0)
@@ -182,8 +185,10 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         logits = torch.where(seen, repeated, logits)
         logits -= counts * batch.frequency_penalty[:, None]
         logits -= (counts > 0) * batch.presence_penalty[:, None]
-    logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
-    logits[batch.suppress_rows, batch.suppress_ids] = -math.inf
+    if has_bias:
+        logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
+    if has_suppress:
+        logits[batch.suppress_rows, batch.suppress_ids] = -math.inf
     return logits
 
 

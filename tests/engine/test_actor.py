@@ -89,6 +89,30 @@ async def test_engine_streams_and_stats() -> None:
         assert [type(e) for e in late] == [Error] and late[0].code == ENGINE_CLOSED
 
 
+async def test_every_step_runs_on_the_one_compute_thread() -> None:
+    """All torch work of an engine runs on one thread (engine/model_actor.compute_thread: a
+    second OpenMP pool made every parallel region wake its threads through the kernel), and it
+    is not the event loop's thread; a restart after a failed step keeps that thread."""
+    threads: list[int] = []
+    fail_once = [True]
+
+    def on_step(chunks) -> None:  # noqa: ANN001
+        threads.append(threading.get_ident())
+        if fail_once[0] and len(threads) == 2:
+            fail_once[0] = False
+            raise RuntimeError("one failed step")
+
+    runner = FakeRunner(num_blocks=16, on_step=on_step)
+    engine = Engine.from_runner(runner, FakeTokenizer(), CONFIG, SchedulerConfig(max_num_seqs=4, kv_watermark=0.0),
+                                supervision=SupervisionConfig(restart_delay_s=0.0))
+    with anyio.fail_after(10):
+        async with engine:
+            await collect(engine, GenerateRequest("a", prompt="hello", params=greedy(5)))  # fails at step 2
+            events = await collect(engine, GenerateRequest("b", prompt="hello", params=greedy(5)))
+            assert isinstance(events[-1], Finished) and engine.health().restarts == 1
+    assert len(threads) > 3 and len(set(threads)) == 1 and threads[0] != threading.get_ident()
+
+
 async def test_cancel_frees_blocks_before_next_step_even_mid_prefill() -> None:
     """A consumer that stops reading cancels its request: the next step no longer has it and its
     blocks are already free when that step runs (checked from inside the runner)."""
