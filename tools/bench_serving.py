@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.events import Error, Finished  # noqa: E402
+from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
-from edgeinfer.engine.api import Engine, EngineConfig, GenerateRequest  # noqa: E402
+from edgeinfer.engine.api import Engine, EngineConfig  # noqa: E402
 from edgeinfer.models.pull import default_model_path  # noqa: E402
 
 

@@ -30,8 +30,9 @@ import torch  # noqa: E402
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.events import Token  # noqa: E402
+from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
-from edgeinfer.engine.api import Engine, GenerateRequest  # noqa: E402
+from edgeinfer.engine.api import Engine  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.models.loader import LoadedModel, load_model  # noqa: E402
 from edgeinfer.models.pull import default_model_path, pull  # noqa: E402

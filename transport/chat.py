@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from edgeinfer.config import RuntimeConfig
+from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 from transport import auth, daemon
 from transport import protocol as wire
@@ -43,9 +44,8 @@ class RemoteChat:
 
 
 class LocalChat:
-    def __init__(self, engine: Any, request_factory: Any, description: str) -> None:
+    def __init__(self, engine: Any, description: str) -> None:
         self.engine = engine
-        self.request_factory = request_factory
         self.description = description
         self._ids = itertools.count(1)
 
@@ -56,7 +56,7 @@ class LocalChat:
         except InvalidParams as exc:
             yield wire.error_to_wire("invalid_params", str(exc), rid)
             return
-        request = self.request_factory(rid, None, None, tuple(dict(m) for m in messages), sampling)
+        request = GenerateRequest(rid, messages=tuple(dict(m) for m in messages), params=sampling)
         async with contextlib.aclosing(self.engine.generate(request)) as events:
             async for event in events:
                 yield wire.event_to_wire(event, rid)
@@ -73,8 +73,8 @@ async def open_chat_backend(model_path: str | None, runtime: RuntimeConfig,
         return
     from transport.service import open_engine  # imports torch only on this path
 
-    async with open_engine(model_path, runtime) as (engine, factory, name):
-        yield LocalChat(engine, factory, f"{name}, in process (no daemon running)")
+    async with open_engine(model_path, runtime) as (engine, name):
+        yield LocalChat(engine, f"{name}, in process (no daemon running)")
 
 
 async def read_lines() -> AsyncIterator[str | None]:

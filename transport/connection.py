@@ -17,6 +17,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from edgeinfer.core.events import SLOW_READER, Accepted, Error, Event, Finished, RequestError, Token
+from edgeinfer.core.request import GenerateRequest
 from transport import auth
 from transport import protocol as wire
 from transport.server_config import CLOSE_POLICY, EngineLike, ServerConfig
@@ -32,7 +33,6 @@ class ServerSide(Protocol):
     counters: Counter[str]
     model_name: str
     draining: bool
-    request_factory: Any
 
 
 def stats_dict(stats: Any) -> dict[str, Any]:
@@ -218,12 +218,11 @@ class Connection:
                              "requests in flight per connection", msg.id)
             return
         engine_id = f"c{self.number}:{msg.id}"
-        make = self.server.request_factory
         if isinstance(msg, wire.Chat):
             messages = tuple({"role": m.role, "content": m.content} for m in msg.messages)
-            request = make(engine_id, None, None, messages, msg.params)
+            request = GenerateRequest(engine_id, messages=messages, params=msg.params)
         else:
-            request = make(engine_id, msg.prompt, msg.prompt_token_ids, None, msg.params)
+            request = GenerateRequest(engine_id, msg.prompt, msg.prompt_token_ids, params=msg.params)
         self.server.counters["requests"] += 1
         state = RequestState()
         self.requests[msg.id] = state

@@ -14,7 +14,6 @@ import asyncio
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from edgeinfer.core.events import (
@@ -32,17 +31,6 @@ from edgeinfer.core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 49152
-
-
-@dataclass(frozen=True)
-class EchoRequest:
-    """The fields of the Engine's GenerateRequest that the echo engine reads."""
-
-    request_id: str
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
 
 
 class EchoTokenizer:

@@ -25,10 +25,8 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from http import HTTPStatus
 from importlib import resources
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import Server as WsServer
@@ -36,34 +34,18 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from edgeinfer.core.sampling_params import SamplingParams
 from transport import auth
 from transport.connection import Connection, stats_dict
 from transport.server_config import CLOSE_GOING_AWAY, HARD_FRAME_FACTOR, EngineLike, ServerConfig
 
 log = logging.getLogger("edgeinfer.server")
 
-# (engine request id, prompt, prompt_token_ids, messages, params) -> the engine's request object
-RequestFactory = Callable[[str, "str | None", "tuple[int, ...] | None", "tuple[dict[str, str], ...] | None",
-                           SamplingParams], Any]
-
-
-def engine_request_factory(request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...] | None,
-                           messages: tuple[dict[str, str], ...] | None, params: SamplingParams) -> Any:
-    from edgeinfer.engine.api import GenerateRequest  # the real engine only when one is served
-
-    return GenerateRequest(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                           messages=messages, params=params)
-
-
 class Server:
     """`async with Server(engine, config) as server:` listens until the block ends or `drain()`."""
 
-    def __init__(self, engine: EngineLike, config: ServerConfig,
-                 request_factory: RequestFactory | None = None, model_name: str = "") -> None:
+    def __init__(self, engine: EngineLike, config: ServerConfig, model_name: str = "") -> None:
         self.engine = engine
         self.config = config
-        self.request_factory = request_factory or engine_request_factory
         self.model_name = model_name
         self.connections: set[Connection] = set()
         self.counters: Counter[str] = Counter()  # monotonically increasing, for /metrics

@@ -20,8 +20,8 @@ from typing import Any
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from transport import auth, daemon
-from transport.echo_engine import EchoEngine, EchoRequest
-from transport.server import RequestFactory, Server, ServerConfig, engine_request_factory
+from transport.echo_engine import EchoEngine
+from transport.server import Server, ServerConfig
 
 log = logging.getLogger("edgeinfer.service")
 
@@ -36,24 +36,19 @@ class ServiceConfig:
     state_dir: str | None = None  # daemon mode
 
 
-def echo_request_factory(request_id: str, prompt: str | None, prompt_token_ids: tuple[int, ...] | None,
-                         messages: tuple[dict[str, str], ...] | None, params: Any) -> EchoRequest:
-    return EchoRequest(request_id, prompt, prompt_token_ids, messages, params)
-
-
 @contextlib.asynccontextmanager
 async def open_engine(model_path: str | None, runtime: RuntimeConfig, echo: bool = False,
-                      scheduler: SchedulerConfig | None = None) -> AsyncIterator[tuple[Any, RequestFactory, str]]:
-    """(engine, request factory, model name), started; the echo engine needs no model."""
+                      scheduler: SchedulerConfig | None = None) -> AsyncIterator[tuple[Any, str]]:
+    """(engine, model name), started; the echo engine needs no model."""
     if echo:
         async with EchoEngine(token_delay_s=0.01) as engine:
-            yield engine, echo_request_factory, "echo"
+            yield engine, "echo"
         return
     from edgeinfer.engine.api import Engine, EngineConfig  # loads torch: only when a model is served
 
     assert model_path is not None, "a model path is required unless echo is set"
     async with Engine(EngineConfig(str(model_path), runtime, scheduler or SchedulerConfig())) as engine:
-        yield engine, engine_request_factory, Path(model_path).name
+        yield engine, Path(model_path).name
 
 
 async def run_service(config: ServiceConfig) -> int:
@@ -65,9 +60,8 @@ async def run_service(config: ServiceConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         log.info("loading %s", "the echo engine" if config.echo else config.model_path)
-        async with open_engine(config.model_path, config.runtime, config.echo, config.scheduler) as (
-                engine, factory, name):
-            async with Server(engine, config.server, factory, name) as server:
+        async with open_engine(config.model_path, config.runtime, config.echo, config.scheduler) as (engine, name):
+            async with Server(engine, config.server, name) as server:
                 if state_dir is not None:
                     daemon.write_state(state_dir, daemon.DaemonState(
                         pid=os.getpid(), host=config.server.host, port=server.port, model=name))

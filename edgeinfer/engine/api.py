@@ -33,7 +33,7 @@ from anyio.abc import TaskStatus
 
 from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
 from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished, Health
-from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.scheduler import Scheduler
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
 from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, build_runner, compute_thread
@@ -65,18 +65,6 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One completion request: exactly one of prompt, prompt_token_ids or messages (a chat,
-    rendered with the model's chat template)."""
-
-    request_id: str
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
 
 
 class Engine:

@@ -10,9 +10,10 @@ from fake_runner import VOCAB, FakeRunner, Letters, expected_tokens
 
 from edgeinfer.config import ModelConfig, SchedulerConfig
 from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, Accepted, Error, Finished, Token
+from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
-from edgeinfer.engine.api import Engine, GenerateRequest, SupervisionConfig
+from edgeinfer.engine.api import Engine, SupervisionConfig
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,9 @@ import torch
 
 from edgeinfer.config import SchedulerConfig
 from edgeinfer.core.events import OVERLOADED, PROMPT_TOO_LONG, Accepted, Error, Finished, Token
+from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import SamplingParams
-from edgeinfer.engine.api import Engine, GenerateRequest
+from edgeinfer.engine.api import Engine
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from transport.echo_engine import EchoEngine, EchoRequest
+from transport.echo_engine import EchoEngine
 from transport.server import Server, ServerConfig
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -109,8 +109,7 @@ def test_chat_page_streams_stops_and_refuses_foreign_pages(tmp_path):
     async def main():
         engine = EchoEngine(token_delay_s=0.01)
         config = ServerConfig(token=TOKEN, port=0)
-        echo = lambda *a: EchoRequest(*a)  # noqa: E731
-        async with Server(engine, config, echo, "echo") as server:
+        async with Server(engine, config, "echo") as server:
             proc, devtools_port = await launch_chromium(tmp_path / "profile")
             try:
                 async with ws_connect(await page_ws_url(devtools_port), max_size=None) as ws:

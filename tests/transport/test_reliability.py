@@ -29,8 +29,9 @@ from websockets.exceptions import ConnectionClosed
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from edgeinfer.core.events import INTERNAL, Accepted, Error, Finished, Token
+from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import SamplingParams
-from edgeinfer.engine.api import Engine, GenerateRequest, SupervisionConfig
+from edgeinfer.engine.api import Engine, SupervisionConfig
 from edgeinfer.engine.model_actor import build_runner
 from edgeinfer.models.loader import load_model
 from edgeinfer.worker.sampler import sample

@@ -17,16 +17,13 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from edgeinfer.core.events import SLOW_READER
+from edgeinfer.core.request import GenerateRequest
 from transport import protocol as wire
 from transport.client import ServerError, connect
-from transport.echo_engine import EchoEngine, EchoRequest
+from transport.echo_engine import EchoEngine
 from transport.server import Server, ServerConfig
 
 TOKEN = "test-token-0123456789abcdef"
-
-
-def echo_request(request_id, prompt, prompt_token_ids, messages, params):
-    return EchoRequest(request_id, prompt, prompt_token_ids, messages, params)
 
 
 def run(coro, timeout_s: float = 30.0):
@@ -36,7 +33,7 @@ def run(coro, timeout_s: float = 30.0):
 @asynccontextmanager
 async def echo_server(engine: EchoEngine | None = None, **config):
     engine = engine or EchoEngine(token_delay_s=0.001)
-    async with Server(engine, ServerConfig(token=TOKEN, port=0, **config), echo_request, "echo") as server:
+    async with Server(engine, ServerConfig(token=TOKEN, port=0, **config), "echo") as server:
         yield server
 
 
@@ -402,7 +399,7 @@ def test_slow_reader_is_cancelled_without_stalling_others():
 def test_drain_lets_in_flight_requests_finish():
     async def main():
         engine = EchoEngine(token_delay_s=0.002)
-        server = Server(engine, ServerConfig(token=TOKEN, port=0, drain_timeout_s=10), echo_request)
+        server = Server(engine, ServerConfig(token=TOKEN, port=0, drain_timeout_s=10), "echo")
         await server.__aenter__()
         url = server.url
         client = await connect(url, TOKEN)
@@ -425,7 +422,7 @@ class _FuzzTarget:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         config = ServerConfig(token=TOKEN, port=0, max_frame_bytes=2048)
-        self.server = Server(EchoEngine(token_delay_s=0.0), config, echo_request)
+        self.server = Server(EchoEngine(token_delay_s=0.0), config, "echo")
         self.loop.run_until_complete(self.server.__aenter__())
         self.client = self.loop.run_until_complete(connect(self.server.url, TOKEN))
 
@@ -504,7 +501,7 @@ def test_load_64_clients_stream_exactly_the_engines_tokens():
     async def main():
         engine = EchoEngine(token_delay_s=0.002, max_running=32, max_waiting=16)
         prompts = [f"client{i} says w{i % 7} v{i % 5}" for i in range(num_clients)]
-        expected = {p: engine.answer_words(EchoRequest("x", p)) for p in prompts}
+        expected = {p: engine.answer_words(GenerateRequest("x", p)) for p in prompts}
         async with echo_server(engine) as server:
             async def one(prompt: str) -> tuple[str, list[dict]]:
                 async with connect(server.url, TOKEN, binary=prompt.endswith("0")) as client:
@@ -559,7 +556,6 @@ async def real_engine(num_kv_blocks: int = 512):
 async def direct_token_ids(engine, prompt: str, max_tokens: int, request_id: str) -> list[int]:
     from edgeinfer.core.events import Token
     from edgeinfer.core.sampling_params import SamplingParams
-    from edgeinfer.engine.api import GenerateRequest
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     events = [e async for e in engine.generate(GenerateRequest(request_id, prompt=prompt, params=params))]
