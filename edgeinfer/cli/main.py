@@ -10,7 +10,6 @@ import json
 import logging
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +17,7 @@ from edgeinfer.cli.options import add_runtime_args, model_path, runtime_config
 from edgeinfer.models.host_memory import return_large_frees_to_the_os
 
 if TYPE_CHECKING:
+    from edgeinfer.core.events import Finished
     from edgeinfer.models.llama import LlamaModel
     from edgeinfer.models.loader import LoadedModel
     from edgeinfer.worker.draft_model import DraftModel
@@ -49,10 +49,77 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """One completion, streamed to stdout, through the engine `serve` runs (plain sampling, stop
+    strings, prompt-lookup speculation, beam search). `--draft-model` still runs the
+    single-stream path (edgeinfer.worker.llm) until the worker drafts for a whole batch."""
+    import dataclasses
+
+    import anyio
+
+    from edgeinfer.config import SchedulerConfig
+    from edgeinfer.core.events import Error, Finished, Token
+    from edgeinfer.core.request import GenerateRequest
+    from edgeinfer.core.sampling_params import SamplingParams
+    from edgeinfer.engine.api import Engine, EngineConfig
+
+    if args.draft_model:
+        return _draft_model_generate(args)
+    if args.beam_width:
+        conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
+                                           ("--speculative", bool(args.speculative))) if on]
+        if conflicts:
+            raise ValueError(f"beam search is deterministic and runs alone: drop {', '.join(conflicts)}")
+        early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, beam_width=args.beam_width,
+                                n=args.num_results, length_penalty=args.length_penalty, early_stopping=early)
+    else:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    runtime = runtime_config(args)
+    # A pool for this one request: its prompt (at most a token per UTF-8 byte, plus the chat
+    # template's) and output, for each beam.
+    tokens = len(args.prompt.encode()) + (0 if args.no_chat else 64) + args.max_tokens + 1
+    blocks = (-(-tokens // runtime.block_size) + 1) * max(1, args.beam_width)
+    runtime = dataclasses.replace(runtime, num_kv_blocks=blocks)
+    scheduler = SchedulerConfig(speculative="ngram" if args.speculative == "ngram" else "off")
+    if args.no_chat:
+        request = GenerateRequest("generate", prompt=args.prompt, params=params)
+    else:
+        request = GenerateRequest("generate", messages=({"role": "user", "content": args.prompt},), params=params)
+
+    async def run() -> None:
+        async with Engine(EngineConfig(str(model_path(args.model)), runtime, scheduler)) as engine:
+            async for event in engine.generate(request):
+                if isinstance(event, Error):
+                    raise ValueError(f"{event.code}: {event.message}")
+                if isinstance(event, Token) and not args.beam_width:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, Finished):
+                    _print_finished(event, args.beam_width)
+
+    anyio.run(run)
+    return 0
+
+
+def _print_finished(event: Finished, beam_width: int) -> None:
+    if not beam_width:
+        sys.stdout.write("\n")
+        return
+    for rank, choice in enumerate(event.choices, 1):  # best first
+        if len(event.choices) > 1:
+            print(f"--- {rank} score {choice['score']:.4f} logprob {choice['logprob']:.4f} ({choice['finish_reason']})")
+        print(choice["text"])
+
+
+def _draft_model_generate(args: argparse.Namespace) -> int:
+    """generate --draft-model: the single-stream path, a DraftModel proposing for the target."""
     from edgeinfer.core.sampling_params import SamplingParams
     from edgeinfer.core.stop import StopChecker
     from edgeinfer.worker.llm import generate_tokens
 
+    if args.beam_width:
+        raise ValueError("beam search is deterministic and runs alone: drop --draft-model")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     loaded, model = _load(args)
@@ -60,8 +127,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt_ids = tok.encode(text, add_special=args.no_chat)
     eos = tuple(loaded.config.eos_token_ids)
-    if args.beam_width:
-        return _beam_generate(args, loaded, model, prompt_ids)
     runner = _runner(args, model, len(prompt_ids) + params.max_tokens)
     checker = StopChecker(params, eos)
     detok = tok.detokenizer()
@@ -73,36 +138,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if reason:
             break
     sys.stdout.write(checker.flush() + "\n")
-    return 0
-
-
-def _beam_generate(args: argparse.Namespace, loaded: LoadedModel, model: LlamaModel, prompt_ids: list[int]) -> int:
-    """generate --beam-width: the best --num-results continuations, with their scores when several."""
-    from edgeinfer.core.beam_search import BeamSearchParams
-    from edgeinfer.worker.beam_runner import beam_pool_blocks, beam_search_tokens
-    from edgeinfer.worker.llm import single_stream_runner
-
-    conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
-                                       ("--speculative", bool(args.speculative)),
-                                       ("--draft-model", bool(args.draft_model))) if on]
-    if conflicts:
-        raise ValueError(f"beam search is deterministic and runs alone: drop {', '.join(conflicts)}")
-    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
-    params = BeamSearchParams(width=args.beam_width, max_tokens=args.max_tokens, num_results=args.num_results,
-                              length_penalty=args.length_penalty, early_stopping=early,
-                              eos_token_ids=tuple(loaded.config.eos_token_ids))
-    runtime = runtime_config(args)
-    blocks = beam_pool_blocks(len(prompt_ids), params, runtime.block_size)
-    if len(prompt_ids) + params.max_tokens > model.config.max_position:
-        raise ValueError(f"prompt_too_long: {len(prompt_ids) + params.max_tokens} tokens (prompt + new) exceed "
-                         f"the model's context of {model.config.max_position}")
-    runner = single_stream_runner(model, runtime, blocks * runtime.block_size)  # one pool the beams share
-    hypotheses = beam_search_tokens(runner, prompt_ids, params)
-    for rank, hyp in enumerate(hypotheses, 1):
-        text = loaded.tokenizer.decode(list(hyp.token_ids))  # special tokens (EOS) skipped
-        if len(hypotheses) > 1:
-            print(f"--- {rank} score {hyp.score:.4f} logprob {hyp.logprob:.4f} ({hyp.finish_reason})")
-        print(text)
     return 0
 
 
@@ -119,34 +154,54 @@ def _drafter(args: argparse.Namespace, num_tokens: int) -> str | DraftModel | No
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from edgeinfer.core.sampling_params import SamplingParams
-    from edgeinfer.worker.batch import SeqChunk
-    from edgeinfer.worker.llm import generate_tokens, prefill
+    """Prefill and greedy decode speed of one stream through the engine `serve` runs, with its
+    default scheduler: prefill from a fresh prompt's time to its first token, decode from a
+    second request on the same prompt (its prefix cached) between its first and last token,
+    after a warm-up request of the same length (so first-call allocations are not timed). The
+    KV pool holds that one request, as a single-stream tool needs."""
+    import dataclasses
 
-    loaded, model = _load(args)
-    runner = _runner(args, model, args.prompt_tokens + args.new_tokens + 1)
+    import anyio
+
+    from edgeinfer.config import SchedulerConfig
+    from edgeinfer.core.events import Error, Finished
+    from edgeinfer.core.request import GenerateRequest
+    from edgeinfer.core.sampling_params import SamplingParams
+    from edgeinfer.engine.api import Engine, EngineConfig
+
+    runtime = runtime_config(args)
+    tokens = args.prompt_tokens + args.new_tokens + 1
+    runtime = dataclasses.replace(runtime, num_kv_blocks=-(-tokens // runtime.block_size) + 1)
     corpus = Path(args.text)
-    ids = loaded.tokenizer.encode(corpus.read_text()[: args.prompt_tokens * 8]) if corpus.is_file() else []
-    ids = (ids or list(range(100, 100 + args.prompt_tokens)))[: args.prompt_tokens]
-    table = tuple(range(runner.pool.num_blocks))
-    runner.logits([SeqChunk(tuple(ids[:16]), 0, table)])  # warm-up: first-call allocations
-    start = time.perf_counter()
-    prefill(runner, ids)  # in chunks, as generate runs a prompt
-    prefill_s = time.perf_counter() - start
-    params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
-    stream = generate_tokens(runner, ids, params)
-    next(stream)  # the first token comes from a prefill; decode timing starts after it
-    start = time.perf_counter()
-    decoded = sum(1 for _ in stream)
-    decode_s = time.perf_counter() - start
-    result = {
-        "prompt_tokens": len(ids),
-        "new_tokens": decoded,
-        "prefill_tok_s": round(len(ids) / prefill_s, 1),
-        "decode_tok_s": round(decoded / decode_s, 1),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "linear_path": runner.model.linear_path,
-    }
+
+    async def finished(engine: Engine, request_id: str, ids: tuple[int, ...], max_tokens: int) -> Finished:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        async for event in engine.generate(GenerateRequest(request_id, prompt_token_ids=ids, params=params)):
+            if isinstance(event, Error):
+                raise ValueError(f"{event.code}: {event.message}")
+            if isinstance(event, Finished):
+                return event
+        raise RuntimeError("the engine ended the request without a final event")
+
+    async def run() -> dict[str, object]:
+        config = EngineConfig(str(model_path(args.model)), runtime, SchedulerConfig())
+        async with Engine(config) as engine:
+            text = corpus.read_text()[: args.prompt_tokens * 8] if corpus.is_file() else ""
+            ids = tuple(engine.tokenizer.encode(text) or range(100, 100 + args.prompt_tokens))[: args.prompt_tokens]
+            await finished(engine, "warm-up", ids[::-1], 2)  # the same step sizes; shares no prefix
+            prefill = (await finished(engine, "prefill", ids, 1)).usage
+            decode = (await finished(engine, "decode", ids, args.new_tokens + 1)).usage
+            linear_path = engine.linear_path
+        return {
+            "prompt_tokens": len(ids),
+            "new_tokens": decode.completion_tokens - 1,
+            "prefill_tok_s": round(len(ids) / prefill.ttft_s, 1),
+            "decode_tok_s": round(1 / decode.tpot_s, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "linear_path": linear_path,
+        }
+
+    result = anyio.run(run)
     if args.json:
         print(json.dumps(result))
     else:
@@ -208,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time prefill and greedy decode")
     bench.add_argument("--prompt-tokens", type=int, default=256)
     bench.add_argument("--new-tokens", type=int, default=128)
-    bench.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"),
+    bench.add_argument("--text", default=str(Path(__file__).resolve().parents[3] / "shared/data/tinyshakespeare.txt"),
                        help="text the prompt is cut from (falls back to synthetic ids)")
     bench.add_argument("--json", action="store_true")
     add_runtime_args(bench)

@@ -98,6 +98,11 @@ class Engine:
         assert self._tokenizer is not None, "the engine is not started"
         return self._tokenizer
 
+    @property
+    def linear_path(self) -> str | None:
+        """The linear kernels the model runs (kernels.dispatch); None for a fake runner."""
+        return getattr(getattr(self._runner, "model", None), "linear_path", None)
+
     def stats(self) -> EngineStats:
         return self._scheduler_actor.stats
 

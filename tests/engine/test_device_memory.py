@@ -37,12 +37,13 @@ def test_pool_is_sized_from_what_the_worst_case_step_leaves(monkeypatch: pytest.
 
 def test_cpu_steps_are_not_measured_or_capped() -> None:
     assert device_memory.free_step_bytes(torch.device("cpu")) is None
-    from test_beam_runner import TINY
-
+    from edgeinfer.config import ModelConfig
     from edgeinfer.models.llama import LlamaModel
     from edgeinfer.models.synthetic import synthetic_model
 
-    loaded = synthetic_model(TINY, "int8", group_size=32, seed=1)
+    tiny = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, max_position=128)
+    loaded = synthetic_model(tiny, "int8", group_size=32, seed=1)
     model = LlamaModel(loaded.config, dict(loaded.weights), linear_path="reference")
     assert device_memory.worst_case_step_bytes(model, RuntimeConfig(), 512, 64) == 0
 

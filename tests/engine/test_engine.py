@@ -224,23 +224,43 @@ async def test_speculative_engine_matches_plain_greedy(loaded_model, model) -> N
     await check_same_as_alone(loaded_model, model, batched, reqs)
 
 
-async def test_beam_search_through_the_engine_equals_the_offline_search(loaded_model, model) -> None:  # noqa: ANN001
-    from edgeinfer.core.beam_search import BeamSearchParams
-    from edgeinfer.worker.beam_runner import beam_pool_blocks, beam_search_tokens
-
-    prompt = tuple(loaded_model.tokenizer.encode("The capital of France is"))
-    params = SamplingParams(beam_width=3, n=2, max_tokens=6)
+@pytest.mark.parametrize("chat, width, n, max_tokens, length_penalty, early_stopping", [
+    (False, 3, 2, 6, 1.0, False),
+    (False, 4, 3, 10, 1.0, False),
+    (False, 3, 3, 8, 0.5, True),
+    (True, 3, 2, 12, 1.0, False),  # both results end in EOS
+    (True, 3, 2, 12, 1.0, "never"),
+])
+async def test_beam_search_through_the_engine_equals_transformers(  # noqa: PLR0913
+        loaded_model, model, hf_reference, chat, width, n, max_tokens, length_penalty, early_stopping) -> None:  # noqa: ANN001
+    """The independent oracle: transformers' own beam search (generate(num_beams=...)) on the
+    same GGUF in fp32, against the engine on the exact fp32 path: the same hypotheses in the
+    same order, the same scores."""
+    tok, c = loaded_model.tokenizer, loaded_model.config
+    if chat:
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+                            add_special=False)
+    else:
+        prompt = tok.encode("The capital of France is")
+    params = SamplingParams(beam_width=width, n=n, max_tokens=max_tokens, length_penalty=length_penalty,
+                            early_stopping=early_stopping)
     engine = make_engine(loaded_model, model, 64)
     with anyio.fail_after(TIMEOUT_S):
         async with engine:
-            events = [e async for e in engine.generate(GenerateRequest("beam", prompt_token_ids=prompt, params=params))]
+            request = GenerateRequest("beam", prompt_token_ids=tuple(prompt), params=params)
+            events = [e async for e in engine.generate(request)]
             assert engine.stats().kv_blocks_used == 0
-    search = BeamSearchParams(3, 6, 2, 1.0, eos_token_ids=tuple(loaded_model.config.eos_token_ids))
-    c = loaded_model.config
-    blocks = beam_pool_blocks(len(prompt), search, 16)
-    runner = ModelRunner(model, KVPool(c.num_layers, blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32"), 16)
-    want = beam_search_tokens(runner, prompt, search)
-    assert [e.token_ids for e in events if isinstance(e, Token)] == [h.token_ids for h in want]
+    hf_model, _ = hf_reference
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=n,
+                                max_new_tokens=max_tokens, do_sample=False, length_penalty=length_penalty,
+                                early_stopping=early_stopping, eos_token_id=list(c.eos_token_ids),
+                                output_scores=True, return_dict_in_generate=True)
+    want = []
+    for row in out.sequences[:, len(prompt):].tolist():  # padded after an EOS
+        ends = [i for i, t in enumerate(row) if t in c.eos_token_ids]
+        want.append(tuple(row[:ends[0] + 1] if ends else row))
+    assert [e.token_ids for e in events if isinstance(e, Token)] == want
     done = events[-1]
     assert isinstance(done, Finished)
-    assert [c["score"] for c in done.choices] == pytest.approx([h.score for h in want], abs=1e-3)
+    assert [c["score"] for c in done.choices] == pytest.approx(out.sequences_scores.tolist(), abs=1e-3)
