@@ -4,8 +4,8 @@
 The engine owns the supervising task group: the model actor and the scheduler actor start under
 it with `tg.start` and share nothing but messages. The engine is their supervisor:
 - A failed model step fails the requests that step carried (internal_error; the scheduler frees
-  their blocks), and the supervisor restarts the model actor (a fresh worker thread over the
-  loaded weights) while `health()` says "restarting" for `restart_delay_s`; requests queue
+  their blocks), and the supervisor restarts the model actor (a fresh actor over the loaded
+  weights, on the same compute thread) while `health()` says "restarting" for `restart_delay_s`; requests queue
   meanwhile and run once it is back. `max_failures` steps failing in a row (none succeeding
   between) mean the model cannot run: health "failed", and both actors stop.
 - Any other actor failure (a bug in the scheduler) stops both: the scheduler actor answers every

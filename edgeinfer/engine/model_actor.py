@@ -8,8 +8,9 @@ drafts (accepted drafts plus one token) or lists a beam's best next tokens, and 
 StepResult by value. A sampling stage that raises is retried row by row, so only the requests
 whose rows fail alone are failed (StepResult.failed); a failing forward fails the whole step,
 which the engine's supervisor answers by restarting this actor (`restarted()`). Steps run one
-at a time on one dedicated thread (CUDA's current device, streams and graphs are per-thread
-state), awaited from an anyio worker so the event loop keeps serving clients during a forward.
+at a time on the engine's compute thread (`compute_thread`: the one thread that also built the
+model, for OpenMP's sake; CUDA's current device, streams and graphs are per-thread state too),
+awaited by the event loop, which keeps serving clients during a forward.
 
 Also here: building a runner from a loaded model, its KV pool sized from a memory budget measured
 at start (edgeinfer.worker.device_memory: CUDA, free device memory after the weights are loaded and a
