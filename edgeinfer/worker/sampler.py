@@ -143,7 +143,7 @@ class SamplingBatch:
             all_greedy=all(p.is_greedy for p in params),
             num_logprobs=tuple(p.logprobs for p in params),
         )
-        return batch.to(device)
+        return batch if torch.device(device).type == "cpu" else batch.to(device)  # built on the CPU
 
     def to(self, device: torch.device | str) -> SamplingBatch:
         moved = {name: value.to(device) if isinstance(value, torch.Tensor) else value
