@@ -76,9 +76,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     runtime = runtime_config(args)
-    # A pool for this one request: its prompt (at most a token per UTF-8 byte, plus the chat
-    # template's) and output, for each beam.
-    tokens = len(args.prompt.encode()) + (0 if args.no_chat else 64) + args.max_tokens + 1
+    # A pool for this one request: its prompt (at most a token per UTF-8 byte, plus up to 256 of
+    # the chat template's) and output, for each beam.
+    tokens = len(args.prompt.encode()) + (0 if args.no_chat else 256) + args.max_tokens + 1
     blocks = (-(-tokens // runtime.block_size) + 1) * max(1, args.beam_width)
     runtime = dataclasses.replace(runtime, num_kv_blocks=blocks)
     scheduler = SchedulerConfig(speculative="ngram" if args.speculative == "ngram" else "off")
