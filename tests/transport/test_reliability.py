@@ -481,7 +481,8 @@ def test_fuzzed_frames_get_documented_answers_from_the_real_engine(live: LiveSer
     check()
     # The engine itself was exercised: some frames were valid requests, some valid-looking ones
     # carried parameters out of range.
-    assert seen["accepted"] >= 10 and seen["invalid_params"] >= 10, seen
+    # (6 runs: 12-22 accepted, 22-47 invalid_params; the bounds leave room for the random draw.)
+    assert seen["accepted"] >= 3 and seen["invalid_params"] >= 5, seen
 
     async def after() -> None:
         if "ws" in state:
