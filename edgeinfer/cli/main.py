@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import resource
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from edgeinfer.models.host_memory import return_large_frees_to_the_os
 
 if TYPE_CHECKING:
     from edgeinfer.core.events import Finished
+    from edgeinfer.core.sampling_params import SamplingParams
     from edgeinfer.models.llama import LlamaModel
     from edgeinfer.models.loader import LoadedModel
     from edgeinfer.worker.draft_model import DraftModel
@@ -59,22 +61,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from edgeinfer.config import SchedulerConfig
     from edgeinfer.core.events import Error, Finished, Token
     from edgeinfer.core.request import GenerateRequest
-    from edgeinfer.core.sampling_params import SamplingParams
+    from edgeinfer.core.sampling_params import InvalidParams
     from edgeinfer.engine.api import Engine, EngineConfig
 
     if args.draft_model:
         return _draft_model_generate(args)
-    if args.beam_width:
-        conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
-                                           ("--speculative", bool(args.speculative))) if on]
-        if conflicts:
-            raise ValueError(f"beam search is deterministic and runs alone: drop {', '.join(conflicts)}")
-        early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, beam_width=args.beam_width,
-                                n=args.num_results, length_penalty=args.length_penalty, early_stopping=early)
-    else:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    try:
+        params = _generate_params(args)
+    except InvalidParams as exc:  # named as the user typed them: --num-results, not n
+        raise ValueError(_GENERATE_FIELDS.sub(lambda m: _GENERATE_FLAGS[m.group(0)], str(exc))) from None
     runtime = runtime_config(args)
     # A pool for this one request: its prompt (at most a token per UTF-8 byte, plus up to 256 of
     # the chat template's) and output, for each beam.
@@ -100,6 +95,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     anyio.run(run)
     return 0
+
+
+def _generate_params(args: argparse.Namespace) -> SamplingParams:
+    from edgeinfer.core.sampling_params import SamplingParams
+
+    if not args.beam_width:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
+                                       ("--speculative", bool(args.speculative))) if on]
+    if conflicts:
+        raise ValueError(f"beam search is deterministic and runs alone: drop {', '.join(conflicts)}")
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+    return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, beam_width=args.beam_width,
+                          n=args.num_results, length_penalty=args.length_penalty, early_stopping=early)
+
+
+_GENERATE_FLAGS = {"n": "--num-results", "beam_width": "--beam-width", "top_p": "--top-p", "top_k": "--top-k",
+                   "max_tokens": "--max-tokens", "length_penalty": "--length-penalty", "temperature": "--temperature",
+                   "seed": "--seed", "stop": "--stop"}
+_GENERATE_FIELDS = re.compile(r"\b(" + "|".join(sorted(_GENERATE_FLAGS, key=len, reverse=True)) + r")\b(?!-)")
 
 
 def _print_finished(event: Finished, beam_width: int) -> None:

@@ -74,3 +74,11 @@ def test_separate_key_and_value_cache_formats(default_model_path) -> None:
                         "--v-dtype", "int4", model=default_model_path)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_generate_errors_name_the_flags(default_model_path) -> None:
+    """Refused values are named as typed on the command line, not as SamplingParams fields."""
+    result = _edgeinfer("generate", "hi", "--beam-width", "2", "--num-results", "3", model=default_model_path)
+    assert result.returncode == 2 and "--num-results must be <= --beam-width=2" in result.stderr, result.stderr
+    result = _edgeinfer("generate", "hi", "--top-p", "2", model=default_model_path)
+    assert result.returncode == 2 and "--top-p must be in (0, 1], got 2.0" in result.stderr, result.stderr
