@@ -6,6 +6,7 @@ Each subcommand parses its flags here and calls into the package; nothing else r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeinfer.cli.options import add_runtime_args, model_path, runtime_config
+from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.host_memory import return_large_frees_to_the_os
 
 if TYPE_CHECKING:
@@ -54,28 +56,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """One completion, streamed to stdout, through the engine `serve` runs (plain sampling, stop
     strings, prompt-lookup speculation, beam search). `--draft-model` still runs the
     single-stream path (edgeinfer.worker.llm) until the worker drafts for a whole batch."""
-    import dataclasses
-
     import anyio
 
     from edgeinfer.config import SchedulerConfig
     from edgeinfer.core.events import Error, Finished, Token
     from edgeinfer.core.request import GenerateRequest
-    from edgeinfer.core.sampling_params import InvalidParams
     from edgeinfer.engine.api import Engine, EngineConfig
 
     if args.draft_model:
         return _draft_model_generate(args)
-    try:
-        params = _generate_params(args)
-    except InvalidParams as exc:  # named as the user typed them: --num-results, not n
-        raise ValueError(_GENERATE_FIELDS.sub(lambda m: _GENERATE_FLAGS[m.group(0)], str(exc))) from None
-    runtime = runtime_config(args)
-    # A pool for this one request: its prompt (at most a token per UTF-8 byte, plus up to 256 of
-    # the chat template's) and output, for each beam.
+    params = _generate_params(args)
+    # Its prompt is at most a token per UTF-8 byte, plus up to 256 of the chat template's.
     tokens = len(args.prompt.encode()) + (0 if args.no_chat else 256) + args.max_tokens + 1
-    blocks = (-(-tokens // runtime.block_size) + 1) * max(1, args.beam_width)
-    runtime = dataclasses.replace(runtime, num_kv_blocks=blocks)
+    runtime = _one_request_runtime(args, tokens, max(1, args.beam_width))
     scheduler = SchedulerConfig(speculative="ngram" if args.speculative == "ngram" else "off")
     if args.no_chat:
         request = GenerateRequest("generate", prompt=args.prompt, params=params)
@@ -97,7 +90,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_request_runtime(args: argparse.Namespace, tokens: int, sequences: int = 1) -> RuntimeConfig:
+    """The runtime flags, with a KV pool for one request of ``tokens`` tokens per sequence."""
+    runtime = runtime_config(args)
+    return dataclasses.replace(runtime, num_kv_blocks=(-(-tokens // runtime.block_size) + 1) * sequences)
+
+
 def _generate_params(args: argparse.Namespace) -> SamplingParams:
+    """generate's sampling parameters; a refused value is named as typed (--num-results, not n)."""
+    from edgeinfer.core.sampling_params import InvalidParams
+
+    try:
+        return _sampling_params(args)
+    except InvalidParams as exc:
+        raise ValueError(_GENERATE_FIELDS.sub(lambda m: _GENERATE_FLAGS[m.group(0)], str(exc))) from None
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from edgeinfer.core.sampling_params import SamplingParams
 
     if not args.beam_width:
@@ -130,14 +139,12 @@ def _print_finished(event: Finished, beam_width: int) -> None:
 
 def _draft_model_generate(args: argparse.Namespace) -> int:
     """generate --draft-model: the single-stream path, a DraftModel proposing for the target."""
-    from edgeinfer.core.sampling_params import SamplingParams
     from edgeinfer.core.stop import StopChecker
     from edgeinfer.worker.llm import generate_tokens
 
     if args.beam_width:
         raise ValueError("beam search is deterministic and runs alone: drop --draft-model")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    params = _generate_params(args)
     loaded, model = _load(args)
     tok = loaded.tokenizer
     text = args.prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -175,8 +182,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     second request on the same prompt (its prefix cached) between its first and last token,
     after a warm-up request of the same length (so first-call allocations are not timed). The
     KV pool holds that one request, as a single-stream tool needs."""
-    import dataclasses
-
     import anyio
 
     from edgeinfer.config import SchedulerConfig
@@ -185,9 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from edgeinfer.core.sampling_params import SamplingParams
     from edgeinfer.engine.api import Engine, EngineConfig
 
-    runtime = runtime_config(args)
-    tokens = args.prompt_tokens + args.new_tokens + 1
-    runtime = dataclasses.replace(runtime, num_kv_blocks=-(-tokens // runtime.block_size) + 1)
+    runtime = _one_request_runtime(args, args.prompt_tokens + args.new_tokens + 1)
     corpus = Path(args.text)
 
     async def finished(engine: Engine, request_id: str, ids: tuple[int, ...], max_tokens: int) -> Finished:
