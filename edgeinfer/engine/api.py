@@ -5,9 +5,10 @@ The engine owns the supervising task group: the model actor and the scheduler ac
 it with `tg.start` and share nothing but messages. The engine is their supervisor:
 - A failed model step fails the requests that step carried (internal_error; the scheduler frees
   their blocks), and the supervisor restarts the model actor (a fresh actor over the loaded
-  weights, on the same compute thread) while `health()` says "restarting" for `restart_delay_s`; requests queue
-  meanwhile and run once it is back. `max_failures` steps failing in a row (none succeeding
-  between) mean the model cannot run: health "failed", and both actors stop.
+  weights, on the same compute thread) while `health()` says "restarting" for
+  `restart_delay_s`; requests queue meanwhile and run once it is back. `max_failures` steps
+  failing in a row (none succeeding between) mean the model cannot run: health "failed", and
+  both actors stop.
 - Any other actor failure (a bug in the scheduler) stops both: the scheduler actor answers every
   open request with internal_error on its way out, and the supervisor records the failure in
   `engine.error` and `health()` instead of cancelling the caller's task, so every client sees
@@ -36,7 +37,7 @@ from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.scheduler import Scheduler
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
-from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, build_runner, compute_thread
+from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, build_runner, compute_thread, run_on
 from edgeinfer.engine.scheduler_actor import EngineStats, SchedulerActor, Submit
 from edgeinfer.models.loader import load_model
 from edgeinfer.models.tokenizer import Tokenizer
@@ -113,10 +114,10 @@ class Engine:
         self._compute = compute_thread()  # loads the model and runs every step (see compute_thread)
         if self._runner is None:
             try:
-                loaded = await self._on_compute_thread(load_model, self.config.model_path)
+                loaded = await run_on(self._compute, load_model, self.config.model_path)
                 sc = self._scheduler_config
-                self._runner = await self._on_compute_thread(build_runner, loaded, self.config.runtime,
-                                                             sc.max_num_batched_tokens, sc.max_num_seqs)
+                self._runner = await run_on(self._compute, build_runner, loaded, self.config.runtime,
+                                            sc.max_num_batched_tokens, sc.max_num_seqs)
             except BaseException:
                 self._compute.shutdown(wait=False)
                 raise
@@ -159,9 +160,6 @@ class Engine:
         finally:
             self._model_actor.close()
             self._compute.shutdown(wait=False)
-
-    async def _on_compute_thread(self, fn: Any, *args: Any) -> Any:
-        return await anyio.to_thread.run_sync(self._compute.submit(fn, *args).result)
 
     async def _supervise(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
