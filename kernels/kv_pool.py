@@ -1,6 +1,6 @@
 """KVPool: the preallocated, paged K/V storage of every layer, in one KV format per K and per V.
 
-Layout per layer and per K / V (``KVCache``), ``N = num_blocks``, ``B = block_size``:
+Layout per layer and per K / V (``QuantizedKV``), ``N = num_blocks``, ``B = block_size``:
 
 - plain (fp32/bf16/fp16): ``data`` (N, B, num_kv_heads, head_dim)
 - int8: ``data`` int8 (N, B, num_kv_heads, head_dim), ``scale`` fp16 (N, B, num_kv_heads)
@@ -21,7 +21,6 @@ from kernels.kv_quant import (
     INT4_GROUP,
     PLAIN_DTYPES,
     SCALE_DTYPE,
-    KVCache,
     QuantizedKV,
     check_kv_dtype,
     dequantize_kv,
@@ -38,18 +37,18 @@ def kv_bytes_per_token(
     return int(round(per_head * num_kv_heads * num_layers))
 
 
-def _empty_cache(kv_dtype: str, shape: tuple[int, int, int, int], device: torch.device) -> KVCache:
+def _empty_cache(kv_dtype: str, shape: tuple[int, int, int, int], device: torch.device) -> QuantizedKV:
     n, b, h, d = shape
     if kv_dtype in PLAIN_DTYPES:
-        return KVCache(kv_dtype, torch.zeros(shape, dtype=PLAIN_DTYPES[kv_dtype], device=device))
+        return QuantizedKV(kv_dtype, torch.zeros(shape, dtype=PLAIN_DTYPES[kv_dtype], device=device))
     if kv_dtype == "int8":
-        return KVCache(
+        return QuantizedKV(
             kv_dtype,
             torch.zeros(shape, dtype=torch.int8, device=device),
             torch.zeros((n, b, h), dtype=SCALE_DTYPE, device=device),
         )
     groups = (n, b, h, d // INT4_GROUP)
-    return KVCache(
+    return QuantizedKV(
         kv_dtype,
         torch.zeros((n, b, h, d // 2), dtype=torch.uint8, device=device),
         torch.zeros(groups, dtype=SCALE_DTYPE, device=device),
@@ -58,7 +57,7 @@ def _empty_cache(kv_dtype: str, shape: tuple[int, int, int, int], device: torch.
 
 
 def write_kv_cache_reference(
-    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: KVCache, v_cache: KVCache
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV
 ) -> None:
     """Torch: the same as write_kv_cache (the production path off CUDA)."""
     keep = slot_mapping >= 0

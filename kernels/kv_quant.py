@@ -34,17 +34,8 @@ _MIN_SCALE = 1e-6  # keeps an all-zero token from dividing by zero; fp16 can hol
 
 @dataclass(frozen=True)
 class QuantizedKV:
-    """Keys or values in one KV format; shapes as in the module docstring."""
-
-    kv_dtype: str
-    data: torch.Tensor
-    scale: torch.Tensor | None = None
-    zero: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class KVCache:
-    """One layer's K or V storage; shapes in the module docstring."""
+    """Keys or values in one KV format: new tokens (T, Hkv, ...) from quantize_kv, or one layer's
+    storage in the pool (N, B, Hkv, ...); shapes as in the module docstring and kernels.kv_pool."""
 
     kv_dtype: str
     data: torch.Tensor

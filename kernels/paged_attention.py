@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
-from kernels.kv_quant import QuantizedKV, dequantize_kv
+from kernels.kv_quant import dequantize_kv
 
 if TYPE_CHECKING:
     from kernels.kv_pool import KVPool
@@ -232,7 +232,7 @@ def _dequantized_layer(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Te
     """The whole layer's K and V as fp32 (num_slots, Hkv, D): references only."""
     out = []
     for c in (pool.k_caches[layer], pool.v_caches[layer]):
-        x = dequantize_kv(QuantizedKV(c.kv_dtype, c.data, c.scale, c.zero))
+        x = dequantize_kv(c)
         out.append(x.flatten(0, 1))
     return out[0], out[1]
 

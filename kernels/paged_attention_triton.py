@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from kernels.kv_quant import KVCache
+    from kernels.kv_quant import QuantizedKV
 
 _FORMAT_CODES = {"fp32": 0, "bf16": 0, "fp16": 0, "int8": 1, "int4": 2}
 _LOG2E = 1.4426950408889634
@@ -274,7 +274,7 @@ def _paged_prefill_kernel(
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: KVCache, v_cache: KVCache
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: QuantizedKV, v_cache: QuantizedKV
 ) -> None:
     """Triton: quantize k, v (T, Hkv, D) into caches at slots (T,); negative slots are skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -360,7 +360,7 @@ def prefill_triton(q, pool, layer, block_tables, context_lens, query_start_loc, 
     return out
 
 
-def _cache_ptrs(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cache_ptrs(cache: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """data, scale, zero for a kernel; absent ones alias data (never read for that format)."""
     scale = cache.scale if cache.scale is not None else cache.data
     zero = cache.zero if cache.zero is not None else cache.data
