@@ -228,7 +228,7 @@ class Connection:
         self.requests[msg.id] = state
         state.task = asyncio.create_task(self._pump(msg.id, request, state))
 
-    async def _pump(self, client_id: str, request: Any, state: RequestState) -> None:
+    async def _pump(self, client_id: str, request: GenerateRequest, state: RequestState) -> None:
         try:
             async with contextlib.aclosing(self.server.engine.generate(request)) as events:
                 async for event in events:

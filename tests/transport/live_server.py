@@ -79,14 +79,17 @@ async def receive(ws: ClientConnection, timeout_s: float = 30.0) -> dict[str, An
     return json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
 
 
-async def http_get(port: int, path: str) -> tuple[int, bytes]:
+async def http_get(port: int, path: str, host: str | None = None) -> tuple[int, dict[str, str], bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+    host = host or f"127.0.0.1:{port}"
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
     await writer.drain()
     raw = await reader.read()
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
 
 
 def check_life_cycles(frames: list[dict[str, Any]], num_generates: dict[str, int]) -> None:

@@ -87,7 +87,8 @@ async def assert_engine_idle(live: LiveServer) -> None:
     stats = live.engine.stats()
     assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0), stats
     assert live.engine.health().ok
-    assert await http_get(live.port, "/healthz") == (200, b"ok\n")
+    status, _, body = await http_get(live.port, "/healthz")
+    assert (status, body) == (200, b"ok\n")
 
 
 def test_cancel_races_end_every_request_exactly_once(live: LiveServer) -> None:
@@ -329,14 +330,15 @@ def test_a_failing_model_step_restarts_the_engine(runner_and_model: Any) -> None
             frames = [await receive(ws), await receive(ws)]
             assert [f["type"] for f in frames] == ["accepted", "error"] and frames[1]["code"] == "internal_error"
             assert "injected model fault" in frames[1]["message"]
-            status, body = await http_get(live.port, "/healthz")
+            status, _, body = await http_get(live.port, "/healthz")
             assert status == 503 and body.startswith(b"restarting: a model step failed: RuntimeError: injected")
             # Sent while restarting: queued, then served once the model actor is back.
             await send(ws, {"type": "generate", "id": "next", "prompt": "Hello", "params": {"max_tokens": 4}})
             rest: list[dict] = []
             await read_until_idle(ws, rest, {"next"})
             assert rest[0]["type"] == "accepted" and rest[-1]["type"] == "done", rest
-            assert await http_get(live.port, "/healthz") == (200, b"ok\n")
+            status, _, body = await http_get(live.port, "/healthz")
+            assert (status, body) == (200, b"ok\n")
             assert live.engine.health().restarts == 1 and live.engine.stats().kv_blocks_used == 0
             await ws.close()
 

@@ -13,6 +13,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from live_server import TOKEN, http_get
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -22,8 +23,6 @@ from transport import protocol as wire
 from transport.client import ServerError, connect
 from transport.echo_engine import EchoEngine
 from transport.server import Server, ServerConfig
-
-TOKEN = "test-token-0123456789abcdef"
 
 
 def run(coro, timeout_s: float = 30.0):
@@ -254,19 +253,6 @@ def test_a_second_hello_with_another_version_closes_1008():
             assert ws.close_code == 1008 and ws.close_reason == wire.UNSUPPORTED_VERSION
 
     run(main())
-
-
-async def http_get(port: int, path: str, host: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    host = host or f"127.0.0.1:{port}"
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-    await writer.drain()
-    raw = await reader.read()
-    writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), headers, body
 
 
 def test_http_routes_health_metrics_and_page():
