@@ -1,0 +1,126 @@
+"""Where one decode step of the engine goes, at one stream, and why the compute thread matters.
+
+1. `step`: the default model through `Engine` (256-token prompt, --new-tokens greedy tokens,
+   --runs runs): median time between tokens, of which the model forward (ModelRunner.logits),
+   the rest of the model actor's step (batch, sampling, result), and the scheduler's schedule +
+   postprocess; what is left is the event loop (mailboxes, event streams, waking on the compute
+   thread). The issue-#20 target: under 10% of the step outside the forward.
+2. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
+   the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
+   and built on the main thread but run on a second one: the effect
+   `engine.model_actor.compute_thread` exists for (two OpenMP pools on a 2-core machine).
+
+Wraps the engine's internals with timers (private attributes): a measurement tool, not an API.
+
+    python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgeinfer.config import RuntimeConfig, SchedulerConfig  # noqa: E402
+from edgeinfer.core.request import GenerateRequest  # noqa: E402
+from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
+from edgeinfer.engine.api import Engine, EngineConfig  # noqa: E402
+from edgeinfer.models.pull import default_model_path  # noqa: E402
+
+
+def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args)
+        record.append(time.perf_counter() - start)
+        return out
+    return wrapper
+
+
+async def step_breakdown(runs: int, new_tokens: int) -> None:
+    config = EngineConfig(str(default_model_path()), RuntimeConfig(num_kv_blocks=64), SchedulerConfig())
+    async with Engine(config) as engine:
+        forward: list[float] = []
+        execute: list[float] = []
+        plan: list[float] = []
+        engine._runner.logits = timed(forward, engine._runner.logits)
+        engine._model_actor.execute = timed(execute, engine._model_actor.execute)
+        scheduler = engine._scheduler_actor.scheduler
+        scheduler.schedule = timed(plan, scheduler.schedule)
+        scheduler.postprocess = timed(plan, scheduler.postprocess)
+        prompt = tuple(engine.tokenizer.encode("Once upon a time, in a land far away, there lived a king. " * 40))
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        print("run  step ms  forward ms  actor rest ms  schedule+post ms  outside the forward")
+        for run in range(runs):
+            for record in (forward, execute, plan):
+                record.clear()
+            stamps = []
+            request = GenerateRequest(f"r{run}", prompt_token_ids=prompt[:256], params=params)
+            async for _ in engine.generate(request):
+                stamps.append(time.perf_counter())
+            gaps = [b - a for a, b in zip(stamps[2:-1], stamps[3:], strict=False)]  # decode steps only
+            step, fwd = statistics.median(gaps), statistics.median(forward[2:])
+            rest = statistics.median(execute[2:]) - fwd
+            sched = 2 * statistics.median(plan)
+            print(f"{run:3d}  {step * 1e3:7.2f}  {fwd * 1e3:10.2f}  {rest * 1e3:13.3f}  {sched * 1e3:16.3f}"
+                  f"  {(step - fwd) * 1e3:.2f} ms = {(step - fwd) / step:.1%}")
+
+
+def gemm_on_threads() -> None:
+    from kernels import cpu_ops
+    from quant.formats import quantize_int4
+
+    if not cpu_ops.available():
+        print("threads: the C++ CPU ops are not available here")
+        return
+
+    def build() -> tuple[Any, torch.Tensor]:
+        return cpu_ops.prepare_int4(quantize_int4(torch.randn(1536, 576), 32)), torch.randn(1, 576)
+
+    def median_us(weight: Any, x: torch.Tensor) -> float:
+        with torch.inference_mode():
+            cpu_ops.int4_linear(x, weight)
+            times = []
+            for _ in range(300):
+                start = time.perf_counter()
+                cpu_ops.int4_linear(x, weight)
+                times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    # Order matters: an OpenMP pool lives as long as its thread, so the single-thread case runs
+    # first, before the main thread has entered any parallel region.
+    with ThreadPoolExecutor(1) as alone:
+        one = alone.submit(lambda: median_us(*build())).result()
+    print(f"int4 GEMM 1x576x1536, built and run on one other thread, main idle (the engine now): {one:.1f} us")
+    weight, x = build()
+    print(f"  built and run on the main thread: {median_us(weight, x):.1f} us")
+    with ThreadPoolExecutor(1) as other:
+        two = other.submit(median_us, weight, x).result()
+    print(f"  built on the main thread, run on a second one (the engine before): {two:.1f} us")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", nargs="?", default="all", choices=("step", "threads", "all"))
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    if args.what in ("threads", "all"):
+        gemm_on_threads()
+    if args.what in ("step", "all"):
+        asyncio.run(step_breakdown(args.runs, args.new_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
