@@ -88,7 +88,7 @@ def compute_thread() -> ThreadPoolExecutor:
     a pool of OpenMP threads, and once the pools hold more threads than the machine has cores,
     libgomp stops spinning between regions and wakes its threads through the kernel each time.
     A decode step runs a few hundred short regions, so on the 2-core test machine a step took
-    17.3 ms on a second thread against 6.4 ms on the thread that had built the model."""
+    17.2 ms on a second thread against 6.1-6.4 ms on one (tools/bench_engine_step.py)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeinfer-model")
 
 
