@@ -130,6 +130,9 @@ class RuntimeConfig:
         return "fp32" if self.linear_path == "reference" else "fp16"
 
 
+SPECULATIVE_MODES = ("off", "ngram", "draft")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler shares the model between requests: batch size, per-step token budget,
@@ -141,17 +144,19 @@ class SchedulerConfig:
     kv_watermark: float = 0.01  # fraction of KV blocks admission leaves free for running decodes
     retry_after_s: float = 1.0  # hint sent with `overloaded`
     mailbox_size: int = 1024  # scheduler actor inbox bound (submissions wait when it is full)
-    # Prompt-lookup speculative decoding for decoding sequences ("off" | "ngram"): up to
-    # max_draft_tokens drafts per step (adapted to each sequence's acceptance), only while at most
-    # speculate_max_seqs sequences run: in a wide batch the extra verify rows cost more than
+    # Speculative decoding for decoding sequences: "off", "ngram" (prompt lookup) or "draft" (a
+    # draft model, which the engine then loads beside the target): up to max_draft_tokens drafts
+    # per step (adapted to each sequence's acceptance), only while at most speculate_max_seqs
+    # sequences run: in a wide batch the extra verify rows cost more than
     # drafts save (on the CPU the int4 kernel's cost grows with rows from M = 4 on).
     speculative: str = "off"
     max_draft_tokens: int = 8
     speculate_max_seqs: int = 2
 
     def __post_init__(self) -> None:
-        if self.speculative not in ("off", "ngram"):
-            raise ValueError(f"SchedulerConfig.speculative must be 'off' or 'ngram', got {self.speculative!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"SchedulerConfig.speculative must be one of {SPECULATIVE_MODES}, "
+                             f"got {self.speculative!r}")
         if not 1 <= self.max_draft_tokens <= 16:
             raise ValueError(f"SchedulerConfig.max_draft_tokens must be in [1, 16], got {self.max_draft_tokens}")
         if self.speculate_max_seqs < 1:

@@ -1,14 +1,15 @@
 """Test doubles for the scheduler and the model actor: a fake model runner whose next token hashes
 the whole context read back through the block table (a wrong block table, position, copy or
 prefix hit changes the output, so "same tokens as alone" checks the paging too), a fake KV pool,
-a letter detokenizer, and helpers that drive a Scheduler with a ModelActor step by step."""
+a letter detokenizer, and helpers that drive a Scheduler with a ModelActor step by step (over the
+fake runner, or a real ModelRunner: `run_requests`, `greedy_alone`)."""
 
 from __future__ import annotations
 
 import torch
 
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.core.events import Token
+from edgeinfer.core.events import Finished, Token
 from edgeinfer.core.messages import StepPlan
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.core.scheduler import Scheduler
@@ -122,3 +123,33 @@ def run_all(sched: Scheduler, model: ModelActor) -> dict[str, list]:
 
 def tokens_of(events: list) -> list[int]:
     return [t for e in events if isinstance(e, Token) for t in e.token_ids]
+
+
+def run_requests(runner, prompts: list[list[int]], params: list[SamplingParams], draft=None,  # noqa: ANN001
+                 **config) -> dict[str, list[int]]:  # noqa: ANN003
+    """Every request (ids "0", "1", ...) submitted at once and run to the end through a Scheduler
+    and a ModelActor over ``runner`` (and ``draft``, a draft model's runner, for speculative
+    "draft"); each finished request's tokens. Checks the block manager after every step."""
+    cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 32, "kv_watermark": 0.0,
+                             "speculative": "off" if draft is None else "draft", "speculate_max_seqs": 8, **config})
+    vocab = runner.model.config.vocab_size
+    sched = Scheduler(cfg, num_blocks=runner.pool.num_blocks, block_size=runner.block_size,
+                      max_model_len=runner.model.config.max_position, vocab_size=vocab, eos_token_ids=(),
+                      bytes_per_token=1, make_detokenizer=Letters)
+    actor = ModelActor(runner, vocab, (), draft=draft)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        sched.add_request(str(i), prompt, p)
+    events: dict[str, list] = {}
+    for _ in range(5000):
+        if not sched.has_work:
+            assert sched.block_manager.num_used == 0
+            return {rid: tokens_of(evs) for rid, evs in events.items() if isinstance(evs[-1], Finished)}
+        for event in step(sched, actor)[1]:
+            events.setdefault(event.request_id, []).append(event)
+    raise AssertionError("the scheduler did not finish in 5000 steps")
+
+
+def greedy_alone(runner, prompt_ids: list[int], max_tokens: int) -> list[int]:  # noqa: ANN001
+    """One request's greedy tokens (EOS ignored) through the scheduler and the model actor."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return run_requests(runner, [prompt_ids], [params])["0"]

@@ -1,14 +1,16 @@
-"""Speculative decoding vs plain decoding, single stream, greedy, on the default model.
+"""Speculative decoding vs plain decoding through the serving engine, one stream, greedy, on the
+default model.
 
-Drafters: "ngram" (prompt lookup) on the int4 model; "engine" the same through the serving
-engine (scheduler + model actor, SchedulerConfig.speculative); "draft" the int4 model drafting
-for the same weights held in bf16 (the int4-drafts-for-a-wider-format pairing; the bf16 target is the
-plain baseline there). Prompts: rewrite / repeat a given text (the answer copies the prompt, so
-n-gram drafts hit) and a free-form one (they rarely do). Generation stops at EOS unless
---ignore-eos, as a user's request would; decode time excludes the prefill. Prints acceptance
-(accepted / drafted), tokens per target forward, decode tok/s and the speed-up. Outputs are
-the same greedy text up to near-ties: a verify forward over k+1 tokens rounds differently from
-k+1 one-token forwards on the fast paths, so the tokens columns may differ slightly.
+Drafters: "ngram" (prompt lookup, SchedulerConfig.speculative "ngram") on the int4 model; "draft"
+the int4 model drafting for the same weights held in bf16 (speculative "draft": the
+int4-drafts-for-a-wider-format pairing; the bf16 target is the plain baseline there). Prompts:
+rewrite / repeat a given text (the answer copies the prompt, so n-gram drafts hit) and a
+free-form one (they rarely do). Generation stops at EOS unless --ignore-eos, as a user's request
+would; decode time excludes the prefill (the request's usage). Prints acceptance (accepted /
+drafted, counted at the target's runner), tokens per target forward, decode tok/s and the
+speed-up. Outputs are the same greedy text up to near-ties: a verify forward over k+1 tokens
+rounds differently from k+1 one-token forwards on the fast paths, so the tokens columns may
+differ slightly.
 
     python tools/bench_speculative.py [--new-tokens 128] [--repeat 2] [--drafters ngram draft]
                                       [--ignore-eos] [--json]
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +37,9 @@ from edgeinfer.engine.api import Engine  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.models.loader import LoadedModel, load_model  # noqa: E402
 from edgeinfer.models.pull import default_model_path, pull  # noqa: E402
-from edgeinfer.worker.draft_model import DraftModel  # noqa: E402
-from edgeinfer.worker.llm import NGRAM, build_model, generate_tokens, single_stream_runner  # noqa: E402
+from edgeinfer.worker.batch import SeqChunk  # noqa: E402
+from edgeinfer.worker.build import build_model, fixed_runner  # noqa: E402
+from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -66,50 +68,44 @@ def prompts() -> dict[str, str]:
 
 
 class CountingRunner:
-    """Wraps a ModelRunner to count decode forwards and drafted tokens."""
+    """Wraps the target's ModelRunner to count its forwards and the drafts they verify."""
 
-    def __init__(self, runner) -> None:  # noqa: ANN001
-        self.runner, self.pool, self.block_size, self.model = runner, runner.pool, runner.block_size, runner.model
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.pool, self.model = runner, runner.pool, runner.model
+        self.activation_bytes_per_token = runner.activation_bytes_per_token
         self.forwards = self.drafted = 0
 
-    def logits(self, chunks):  # noqa: ANN001, ANN201
+    def free_step_bytes(self) -> int | None:
+        return self.runner.free_step_bytes()
+
+    def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
         self.forwards += 1
         self.drafted += sum(c.num_logits - 1 for c in chunks)
         return self.runner.logits(chunks)
 
 
-def run(runner, ids: list[int], params: SamplingParams, eos: tuple[int, ...], drafter) -> dict:  # noqa: ANN001
-    counting = CountingRunner(runner)
-    stream = generate_tokens(counting, ids, params, eos, drafter=drafter)
-    next(stream)  # the prefill's token
-    prefill_forwards = counting.forwards
-    start = time.perf_counter()
-    n = 1 + sum(1 for _ in stream)
-    elapsed = time.perf_counter() - start
-    forwards = counting.forwards - prefill_forwards
-    accepted = n - 1 - forwards
-    return {"tokens": n, "decode_tok_s": (n - 1) / elapsed, "tokens_per_forward": (n - 1) / max(forwards, 1),
-            "acceptance": accepted / counting.drafted if counting.drafted else 0.0}
+def run(target: LlamaModel, draft: LlamaModel | None, loaded: LoadedModel, ids: list[int],
+        params: SamplingParams, speculative: str, length: int) -> dict:
+    """One request through the engine over already built models; decode rate from its usage."""
+    runtime = RuntimeConfig()
+    counting = CountingRunner(fixed_runner(target, runtime, length))
+    draft_runner = fixed_runner(draft, runtime, length) if speculative == "draft" and draft is not None else None
 
-
-def run_engine(model: LlamaModel, loaded: LoadedModel, ids: list[int], params: SamplingParams,
-               speculative: str, length: int) -> dict:
-    """One request through the serving engine over the already built model; decode rate from its
-    usage (first token excluded)."""
-    async def go() -> dict:
-        runner = single_stream_runner(model, RuntimeConfig(), length)
-        engine = Engine.from_runner(runner, loaded.tokenizer, loaded.config, SchedulerConfig(speculative=speculative))
+    async def go() -> list:
+        engine = Engine.from_runner(counting, loaded.tokenizer, loaded.config,
+                                    SchedulerConfig(speculative=speculative), draft=draft_runner)
         async with engine:
-            events = [e async for e in engine.generate(GenerateRequest("b", prompt_token_ids=tuple(ids),
-                                                                       params=params))]
-        tokens = [e for e in events if isinstance(e, Token)]
-        usage = events[-1].usage
-        n = usage.completion_tokens
-        forwards = len(tokens) - 1  # one Token event per step after the first
-        # Drafts proposed are not visible from outside the engine: no acceptance figure.
-        return {"tokens": n, "decode_tok_s": (n - 1) / (usage.total_time_s - usage.ttft_s),
-                "tokens_per_forward": (n - 1) / max(forwards, 1), "acceptance": None}
-    return anyio.run(go)
+            return [e async for e in engine.generate(GenerateRequest("b", prompt_token_ids=tuple(ids),
+                                                                     params=params))]
+
+    events = anyio.run(go)
+    usage = events[-1].usage
+    n = usage.completion_tokens
+    forwards = sum(1 for e in events if isinstance(e, Token)) - 1  # one Token event per step after the first
+    accepted = n - 1 - forwards
+    return {"tokens": n, "decode_tok_s": (n - 1) / (usage.total_time_s - usage.ttft_s),
+            "tokens_per_forward": (n - 1) / max(forwards, 1),
+            "acceptance": accepted / counting.drafted if counting.drafted else 0.0}
 
 
 def bf16_copy(loaded: LoadedModel) -> LoadedModel:
@@ -124,8 +120,7 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--drafters", nargs="+", choices=("ngram", "engine", "draft"),
-                        default=["ngram", "engine", "draft"])
+    parser.add_argument("--drafters", nargs="+", choices=("ngram", "draft"), default=["ngram", "draft"])
     parser.add_argument("--ignore-eos", action="store_true", help="always decode --new-tokens tokens")
     parser.add_argument("--prompts", nargs="+", choices=("rewrite", "repeat", "free-form"),
                         default=["rewrite", "repeat", "free-form"])
@@ -134,7 +129,7 @@ def main() -> int:
     path = args.model or (default_model_path() if default_model_path().is_file() else pull())
     runtime = RuntimeConfig()
     loaded = load_model(path)
-    tok, eos = loaded.tokenizer, tuple(loaded.config.eos_token_ids)
+    tok = loaded.tokenizer
     int4 = build_model(loaded, runtime)
     bf16 = build_model(bf16_copy(loaded), runtime) if "draft" in args.drafters else None
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
@@ -143,22 +138,11 @@ def main() -> int:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
         length = len(ids) + args.new_tokens + 16
         for drafter_name in args.drafters:
-            if drafter_name == "engine":
-                best = {key: max((run_engine(int4, loaded, ids, params, spec, length) for _ in range(args.repeat)),
-                                 key=lambda r: r["decode_tok_s"]) for key, spec in (("plain", "off"),
-                                                                                     ("speculative", "ngram"))}
-                results.append({"prompt": name, "drafter": drafter_name, **best,
-                                "speedup": best["speculative"]["decode_tok_s"] / best["plain"]["decode_tok_s"]})
-                continue
-            if drafter_name == "ngram":
-                target, drafter = single_stream_runner(int4, runtime, length), NGRAM
-            else:
-                target = single_stream_runner(bf16, runtime, length)
-                drafter = DraftModel(single_stream_runner(int4, runtime, length))
-            best = {}
+            target, draft = (bf16, int4) if drafter_name == "draft" else (int4, None)
+            best: dict[str, dict] = {}
             for _ in range(args.repeat):
-                for key, d in (("plain", None), ("speculative", drafter)):
-                    r = run(target, ids, params, eos, d)
+                for key, spec in (("plain", "off"), ("speculative", drafter_name)):
+                    r = run(target, draft, loaded, ids, params, spec, length)
                     if key not in best or r["decode_tok_s"] > best[key]["decode_tok_s"]:
                         best[key] = r
             results.append({"prompt": name, "drafter": drafter_name, **best,

@@ -32,7 +32,7 @@ from edgeinfer.config import RuntimeConfig  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.models.loader import LoadedModel, load_model  # noqa: E402
 from edgeinfer.worker.batch import SeqChunk  # noqa: E402
-from edgeinfer.worker.llm import build_model  # noqa: E402
+from edgeinfer.worker.build import build_model  # noqa: E402
 from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
 from kernels.kv_pool import KVPool  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402

@@ -34,11 +34,13 @@ class ServiceConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     echo: bool = False  # serve transport.echo_engine instead of a model
     state_dir: str | None = None  # daemon mode
+    draft_model_path: str | None = None  # with scheduler.speculative "draft"
 
 
 @contextlib.asynccontextmanager
 async def open_engine(model_path: str | None, runtime: RuntimeConfig, echo: bool = False,
-                      scheduler: SchedulerConfig | None = None) -> AsyncIterator[tuple[Any, str]]:
+                      scheduler: SchedulerConfig | None = None,
+                      draft_model_path: str | None = None) -> AsyncIterator[tuple[Any, str]]:
     """(engine, model name), started; the echo engine needs no model."""
     if echo:
         async with EchoEngine(token_delay_s=0.01) as engine:
@@ -47,7 +49,8 @@ async def open_engine(model_path: str | None, runtime: RuntimeConfig, echo: bool
     from edgeinfer.engine.api import Engine, EngineConfig  # loads torch: only when a model is served
 
     assert model_path is not None, "a model path is required unless echo is set"
-    async with Engine(EngineConfig(str(model_path), runtime, scheduler or SchedulerConfig())) as engine:
+    config = EngineConfig(str(model_path), runtime, scheduler or SchedulerConfig(), draft_model_path=draft_model_path)
+    async with Engine(config) as engine:
         yield engine, Path(model_path).name
 
 
@@ -60,7 +63,8 @@ async def run_service(config: ServiceConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         log.info("loading %s", "the echo engine" if config.echo else config.model_path)
-        async with open_engine(config.model_path, config.runtime, config.echo, config.scheduler) as (engine, name):
+        async with open_engine(config.model_path, config.runtime, config.echo, config.scheduler,
+                               config.draft_model_path) as (engine, name):
             async with Server(engine, config.server, name) as server:
                 if state_dir is not None:
                     daemon.write_state(state_dir, daemon.DaemonState(

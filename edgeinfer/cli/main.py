@@ -22,27 +22,6 @@ from edgeinfer.models.host_memory import return_large_frees_to_the_os
 if TYPE_CHECKING:
     from edgeinfer.core.events import Finished
     from edgeinfer.core.sampling_params import SamplingParams
-    from edgeinfer.models.llama import LlamaModel
-    from edgeinfer.models.loader import LoadedModel
-    from edgeinfer.worker.draft_model import DraftModel
-    from edgeinfer.worker.model_runner import ModelRunner
-
-
-def _load(args: argparse.Namespace) -> tuple[LoadedModel, LlamaModel]:
-    from edgeinfer.models.loader import load_model
-    from edgeinfer.worker.llm import build_model
-
-    loaded = load_model(model_path(args.model))
-    return loaded, build_model(loaded, runtime_config(args), take_weights=True)
-
-
-def _runner(args: argparse.Namespace, model: LlamaModel, num_tokens: int) -> ModelRunner:
-    from edgeinfer.worker.llm import single_stream_runner
-
-    if num_tokens > model.config.max_position:
-        raise ValueError(f"prompt_too_long: {num_tokens} tokens (prompt + new) exceed the model's context "
-                         f"of {model.config.max_position}")
-    return single_stream_runner(model, runtime_config(args), num_tokens)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -54,8 +33,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """One completion, streamed to stdout, through the engine `serve` runs (plain sampling, stop
-    strings, prompt-lookup speculation, beam search). `--draft-model` still runs the
-    single-stream path (edgeinfer.worker.llm) until the worker drafts for a whole batch."""
+    strings, speculative decoding by prompt lookup or a draft model, beam search)."""
     import anyio
 
     from edgeinfer.config import SchedulerConfig
@@ -63,20 +41,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from edgeinfer.core.request import GenerateRequest
     from edgeinfer.engine.api import Engine, EngineConfig
 
-    if args.draft_model:
-        return _draft_model_generate(args)
     params = _generate_params(args)
     # Its prompt is at most a token per UTF-8 byte, plus up to 256 of the chat template's.
     tokens = len(args.prompt.encode()) + (0 if args.no_chat else 256) + args.max_tokens + 1
     runtime = _one_request_runtime(args, tokens, max(1, args.beam_width))
-    scheduler = SchedulerConfig(speculative="ngram" if args.speculative == "ngram" else "off")
+    if args.speculative and args.draft_model:
+        raise ValueError("--speculative ngram and --draft-model are two drafters: choose one")
+    scheduler = SchedulerConfig(speculative="draft" if args.draft_model else args.speculative or "off")
+    draft = str(model_path(args.draft_model)) if args.draft_model else None
     if args.no_chat:
         request = GenerateRequest("generate", prompt=args.prompt, params=params)
     else:
         request = GenerateRequest("generate", messages=({"role": "user", "content": args.prompt},), params=params)
 
     async def run() -> None:
-        async with Engine(EngineConfig(str(model_path(args.model)), runtime, scheduler)) as engine:
+        config = EngineConfig(str(model_path(args.model)), runtime, scheduler, draft_model_path=draft)
+        async with Engine(config) as engine:
             async for event in engine.generate(request):
                 if isinstance(event, Error):
                     raise ValueError(f"{event.code}: {event.message}")
@@ -113,7 +93,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
-                                       ("--speculative", bool(args.speculative))) if on]
+                                       ("--speculative", bool(args.speculative)),
+                                       ("--draft-model", bool(args.draft_model))) if on]
     if conflicts:
         raise ValueError(f"beam search is deterministic and runs alone: drop {', '.join(conflicts)}")
     early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
@@ -135,45 +116,6 @@ def _print_finished(event: Finished, beam_width: int) -> None:
         if len(event.choices) > 1:
             print(f"--- {rank} score {choice['score']:.4f} logprob {choice['logprob']:.4f} ({choice['finish_reason']})")
         print(choice["text"])
-
-
-def _draft_model_generate(args: argparse.Namespace) -> int:
-    """generate --draft-model: the single-stream path, a DraftModel proposing for the target."""
-    from edgeinfer.core.stop import StopChecker
-    from edgeinfer.worker.llm import generate_tokens
-
-    if args.beam_width:
-        raise ValueError("beam search is deterministic and runs alone: drop --draft-model")
-    params = _generate_params(args)
-    loaded, model = _load(args)
-    tok = loaded.tokenizer
-    text = args.prompt if args.no_chat else tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-    prompt_ids = tok.encode(text, add_special=args.no_chat)
-    eos = tuple(loaded.config.eos_token_ids)
-    runner = _runner(args, model, len(prompt_ids) + params.max_tokens)
-    checker = StopChecker(params, eos)
-    detok = tok.detokenizer()
-    drafter = _drafter(args, len(prompt_ids) + params.max_tokens)
-    for token in generate_tokens(runner, prompt_ids, params, eos, drafter=drafter):
-        out, reason = checker.push(token, detok.push(token))
-        sys.stdout.write(out)
-        sys.stdout.flush()
-        if reason:
-            break
-    sys.stdout.write(checker.flush() + "\n")
-    return 0
-
-
-def _drafter(args: argparse.Namespace, num_tokens: int) -> str | DraftModel | None:
-    """generate's drafter: --draft-model (a DraftModel), --speculative ngram, or none."""
-    if args.draft_model:
-        from edgeinfer.models.loader import load_model
-        from edgeinfer.worker.draft_model import DraftModel
-        from edgeinfer.worker.llm import build_model, single_stream_runner
-
-        draft = build_model(load_model(model_path(args.draft_model)), runtime_config(args), take_weights=True)
-        return DraftModel(single_stream_runner(draft, runtime_config(args), num_tokens))
-    return args.speculative
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

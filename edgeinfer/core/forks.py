@@ -55,6 +55,7 @@ class ForkMixin:
         if parent.num_slots:
             child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
             child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
+            child.draft_computed = parent.draft_computed
             self.running.append(child)
         else:
             self.waiting.appendleft(child)
@@ -92,6 +93,7 @@ class ForkMixin:
         self._next_seq_id += 1
         child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
+        child.draft_computed = parent.draft_computed
         child.num_cached_tokens, child.first_scheduled_s = parent.num_cached_tokens, parent.first_scheduled_s
         parent.to_fork = 0
         self.running.append(child)

@@ -39,12 +39,24 @@ class SeqStep:
     # A beam's row: reply this many best next tokens with their log-probabilities (top_logprobs)
     # instead of a sample; the scheduler's beam search picks among them.
     beam_candidates: int = 0
+    # Draft-model speculation (edgeinfer.worker.draft_model): the draft model first writes
+    # draft_feed, the tokens from position draft_start on that its pool lacks, then drafts
+    # model_drafts tokens after them; the model appends those to token_ids and verifies them as
+    # it does draft_ids. A prompt chunk feeds the draft model too (model_drafts 0).
+    draft_feed: tuple[int, ...] = ()
+    draft_start: int = 0
+    model_drafts: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts this row verifies, from prompt lookup or the draft model."""
+        return len(self.draft_ids) or self.model_drafts
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:
         fields = dict(data)
         fields["params"] = SamplingParams(**data["params"])
-        for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices", "draft_ids"):
+        for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices", "draft_ids", "draft_feed"):
             fields[name] = tuple(data[name])
         return cls(**fields)
 

@@ -5,23 +5,12 @@ at once so a waiting request can join the next step."""
 from __future__ import annotations
 
 from edgeinfer.core.events import Event, Finished, Token, TokenLogprob, Usage
-from edgeinfer.core.messages import SeqStep, StepResult
+from edgeinfer.core.messages import StepResult
 from edgeinfer.core.sequence import SeqState
 
 
 class OutputMixin:
     """Methods of edgeinfer.core.scheduler.Scheduler, kept apart by job: they read and write its state."""
-
-    def _emit_verified(self, seq: SeqState, step: SeqStep, tokens: tuple[int, ...], now: float) -> list[Event]:
-        """A drafted step: the accepted drafts and the sampled token, K/V valid up to the last
-        accepted draft."""
-        num_accepted = len(tokens) - 1
-        seq.draft_k = seq.draft_k.update(len(step.draft_ids), num_accepted)
-        seq.num_computed = step.start_pos + 1 + num_accepted
-        events = self._emit_tokens(seq, tokens, now, None)
-        if seq.seq_id in self._by_seq:  # still running: its verified full blocks become shareable
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-        return events
 
     def _emit_tokens(self, seq: SeqState, tokens: tuple[int, ...], now: float,
                      logprobs: tuple[TokenLogprob, ...] | None) -> list[Event]:

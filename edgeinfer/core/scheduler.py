@@ -23,18 +23,15 @@ deadlock. A chunk that reaches the sequence's last token samples its next token;
 `postprocess()` commits computed blocks for prefix sharing, runs the stop checks and finishes
 sequences, whose blocks are freed at once so a waiting request can join the next step.
 
-Speculative decoding (SchedulerConfig.speculative = "ngram"). While few sequences run, a
-decoding sequence may carry prompt-lookup drafts: its step feeds (last token, *drafts), whose
-slots are reserved first (never by preempting anyone: no free blocks, no drafts), and the model
-returns the accepted drafts plus one sampled token (edgeinfer.worker.verify's rejection rule, so
-the output distribution is the target's). Rejected drafts' slots stay reserved and are simply
-overwritten later (num_slots may exceed the tokens). num_computed then counts only verified
-tokens. Each sequence's AdaptiveK sets its draft length from its acceptance rate.
+Speculative decoding (SchedulerConfig.speculative "ngram" or "draft"). While few sequences run, a
+decoding sequence may carry drafts, which the model verifies (edgeinfer.worker.verify's rejection
+rule, so the output distribution is the target's); num_computed then counts only verified tokens.
+drafting.py holds that bookkeeping.
 
 Siblings hold the rest of the scheduler's methods, by job: admission.py (add_request and the
-admission rule), forks.py (parallel sampling's choices and beam search's beams), output.py
-(tokens through stop checks and detokenizers, finished requests and their usage); sequence.py
-holds the per-sequence state they all write.
+admission rule), drafting.py (speculative decoding), forks.py (parallel sampling's choices and
+beam search's beams), output.py (tokens through stop checks and detokenizers, finished requests
+and their usage); sequence.py holds the per-sequence state they all write.
 """
 
 from __future__ import annotations
@@ -47,17 +44,17 @@ from collections.abc import Callable, Sequence
 from edgeinfer.config import SchedulerConfig
 from edgeinfer.core.admission import AdmissionMixin
 from edgeinfer.core.block_manager import BlockManager
+from edgeinfer.core.drafting import SpeculationMixin
 from edgeinfer.core.events import INTERNAL, Error, Event
 from edgeinfer.core.forks import ForkMixin
 from edgeinfer.core.messages import SeqStep, StepPlan, StepResult
 from edgeinfer.core.output import OutputMixin
 from edgeinfer.core.sequence import Detokenizer, SchedulerStats, SeqState
-from edgeinfer.core.speculative import PROMPT_LOOKUP_NGRAM_MIN, propose_ngram
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
+class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int, max_model_len: int,
                  vocab_size: int, eos_token_ids: Sequence[int], bytes_per_token: int,
                  make_detokenizer: Callable[[], Detokenizer], namespace: str = "",
@@ -136,8 +133,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
                 if not fits:
                     break  # it was the newest: every sequence after it is gone too
                 copies.extend(copy)
-            drafts = self._drafts(seq, budget - 1, copies)
-            steps.append(self._step(seq, budget, drafts))
+            steps.append(self._step(seq, budget, *self._drafts(seq, budget - 1, copies)))
             budget -= len(steps[-1].token_ids)
             i += 1
         while (not preempted and self.waiting and budget > 0
@@ -150,7 +146,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
             self.running.append(seq)
             seq.block_table = allocation.block_ids
             seq.num_slots = len(seq.prompt_ids) + len(seq.output_ids)
-            seq.num_computed = allocation.num_cached_tokens
+            seq.num_computed = seq.draft_computed = allocation.num_cached_tokens
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = self._clock()
                 seq.num_cached_tokens = allocation.num_cached_tokens
@@ -188,8 +184,10 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
                row_tokens: list[tuple[int, ...]], now: float) -> list[Event]:
         """One sequence's share of a step's result."""
         seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
-        if step.draft_ids:
+        if step.num_drafts:
             return self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now)
+        if step.draft_feed:
+            seq.draft_computed = step.draft_start + len(step.draft_feed)
         seq.num_computed = step.start_pos + len(step.token_ids)
         self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         if not step.sample:
@@ -232,42 +230,19 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
                         self.num_memory_capped_steps)
         return max(self.config.max_num_seqs, fits)
 
-    def _step(self, seq: SeqState, budget: int, drafts: tuple[int, ...] = ()) -> SeqStep:
+    def _step(self, seq: SeqState, budget: int, drafts: tuple[int, ...] = (), model_drafts: int = 0) -> SeqStep:
         token_ids = seq.token_ids
         start = seq.num_computed
-        chunk = tuple(token_ids[start:start + budget]) + drafts
-        sample = start + len(chunk) - len(drafts) == len(token_ids)
+        new = tuple(token_ids[start:start + budget])
+        chunk = new + drafts
+        sample = start + len(new) == len(token_ids)
         wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
+        feed, feed_start = self._draft_feed(seq, start, len(new), model_drafts)
         return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
                        tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
-                       drafts, beam_candidates)
-
-    def _drafts(self, seq: SeqState, budget: int, copies: list[tuple[int, int]]) -> tuple[int, ...]:
-        """Prompt-lookup drafts for a decoding sequence, their slots reserved; () when
-        speculation is off, the batch is wide, the request reads logprobs or penalties (their
-        distribution moves with every token), or no free block is left for them."""
-        p = seq.params
-        if (self.config.speculative != "ngram" or len(self.running) > self.config.speculate_max_seqs
-                or seq.num_computed != len(seq.prompt_ids) + len(seq.output_ids) - 1 or seq.to_fork or seq.beam
-                or p.logprobs is not None or p.repetition_penalty != 1 or p.presence_penalty
-                or p.frequency_penalty):
-            return ()
-        tokens = seq.token_ids
-        limit = min(seq.draft_k.k, self.config.max_draft_tokens, budget,
-                    seq.max_len - len(tokens) - 1, p.max_tokens - len(seq.output_ids) - 1)
-        drafts = propose_ngram(tokens, limit, ngram_min=PROMPT_LOOKUP_NGRAM_MIN) if limit > 0 else []
-        need = len(tokens) + len(drafts) - seq.num_slots
-        if drafts and need > 0:
-            appended = self.block_manager.append_slots(seq.seq_id, need)  # None: no room, no drafts
-            if appended is None:
-                return ()
-            seq.block_table = appended.block_ids
-            seq.num_slots += need
-            if appended.copy is not None:
-                copies.append((appended.copy.src_block_id, appended.copy.dst_block_id))
-        return tuple(drafts)
+                       drafts, beam_candidates, feed, feed_start, model_drafts)
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.
@@ -283,7 +258,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
                 return True, copy, preempted
             victim = self.running.pop()
             self.block_manager.free(victim.seq_id)
-            victim.num_computed = victim.num_slots = 0
+            victim.num_computed = victim.num_slots = victim.draft_computed = 0
             victim.block_table = ()
             self.waiting.appendleft(victim)
             self.num_preemptions += 1

@@ -48,6 +48,7 @@ class SeqState:
     text: list[str] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V is in the pool
     num_slots: int = 0  # token slots the block manager holds for it (0: no blocks)
+    draft_computed: int = 0  # leading positions the draft model's pool holds (edgeinfer.core.drafting)
     block_table: tuple[int, ...] = ()
     num_cached_tokens: int = 0  # prefix-cache hits at first admission
     peak_blocks: int = 0

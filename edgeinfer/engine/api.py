@@ -37,10 +37,12 @@ from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.scheduler import Scheduler
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
-from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, build_runner, compute_thread, run_on
+from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, compute_thread, run_on
 from edgeinfer.engine.scheduler_actor import EngineStats, SchedulerActor, Submit
 from edgeinfer.models.loader import load_model
 from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.worker.build import build_runners
+from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import sample
 
 log = logging.getLogger(__name__)
@@ -66,12 +68,19 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    draft_model_path: str | None = None  # the drafter when scheduler.speculative is "draft"
+
+    def __post_init__(self) -> None:
+        if (self.scheduler.speculative == "draft") != (self.draft_model_path is not None):
+            raise ValueError("a draft model and speculative='draft' go together: give both or neither "
+                             f"(speculative={self.scheduler.speculative!r}, draft model {self.draft_model_path!r})")
 
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._runner: StepRunner | None = None
+        self._draft_runner: ModelRunner | None = None
         self._tokenizer: Tokenizer | None = None
         self._model_config: ModelConfig | None = None
         self._scheduler_config = config.scheduler
@@ -84,12 +93,16 @@ class Engine:
     @classmethod
     def from_runner(cls, runner: StepRunner, tokenizer: Any, model_config: ModelConfig,
                     scheduler: SchedulerConfig | None = None, max_model_len: int | None = None,
-                    supervision: SupervisionConfig | None = None, sampler: Sampler = sample) -> Engine:
+                    supervision: SupervisionConfig | None = None, sampler: Sampler = sample,
+                    draft: ModelRunner | None = None) -> Engine:
         """An engine over an already-built runner (a loaded model reused, or a fake in tests);
-        `sampler` replaces edgeinfer.worker.sampler.sample (fault-injection tests)."""
-        engine = cls(EngineConfig("<runner>", scheduler=scheduler or SchedulerConfig(),
-                                  supervision=supervision or SupervisionConfig()))
+        `sampler` replaces edgeinfer.worker.sampler.sample (fault-injection tests); `draft` is a
+        draft model's runner whose pool has the target pool's blocks (speculative "draft")."""
+        scheduler = scheduler or SchedulerConfig()
+        engine = cls(EngineConfig("<runner>", scheduler=scheduler, supervision=supervision or SupervisionConfig(),
+                                  draft_model_path=None if draft is None else "<runner>"))
         engine._runner, engine._tokenizer, engine._model_config = runner, tokenizer, model_config
+        engine._draft_runner = draft
         engine._max_model_len = max_model_len
         engine._sampler = sampler
         return engine
@@ -115,25 +128,32 @@ class Engine:
         if self._runner is None:
             try:
                 loaded = await run_on(self._compute, load_model, self.config.model_path)
+                draft = self.config.draft_model_path
+                loaded_draft = None if draft is None else await run_on(self._compute, load_model, draft)
                 sc = self._scheduler_config
-                self._runner = await run_on(self._compute, build_runner, loaded, self.config.runtime,
-                                            sc.max_num_batched_tokens, sc.max_num_seqs)
+                self._runner, self._draft_runner = await run_on(
+                    self._compute, build_runners, loaded, self.config.runtime, sc.max_num_batched_tokens,
+                    sc.max_num_seqs, loaded_draft)
             except BaseException:
                 self._compute.shutdown(wait=False)
                 raise
             self._tokenizer, self._model_config = loaded.tokenizer, loaded.config
-        c, pool = self._model_config, self._runner.pool
+        c, pool, draft = self._model_config, self._runner.pool, self._draft_runner
+        if draft is not None and (draft.pool.num_blocks, draft.pool.block_size) != (pool.num_blocks, pool.block_size):
+            raise ValueError(f"the draft model's pool ({draft.pool.num_blocks} x {draft.pool.block_size}) must have "
+                             f"the target pool's blocks ({pool.num_blocks} x {pool.block_size})")
         scheduler = Scheduler(
             self._scheduler_config, num_blocks=pool.num_blocks, block_size=pool.block_size,
             max_model_len=min(c.max_position, self._max_model_len or c.max_position),
-            vocab_size=c.vocab_size, eos_token_ids=c.eos_token_ids, bytes_per_token=pool.bytes_per_token(),
+            vocab_size=c.vocab_size, eos_token_ids=c.eos_token_ids,
+            bytes_per_token=pool.bytes_per_token() + (draft.pool.bytes_per_token() if draft is not None else 0),
             make_detokenizer=self._tokenizer.detokenizer,
             namespace=f"{c.architecture}/{c.vocab_size}/{c.hidden_size}/{c.num_layers}",
             activation_bytes_per_token=self._runner.activation_bytes_per_token)
         model_ref, self._model_inbox = mailbox("model", 1)
         self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
         self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids, sampler=self._sampler,
-                                       thread=self._compute)
+                                       thread=self._compute, draft=self._draft_runner)
         self._scheduler_actor = SchedulerActor(scheduler, model_ref)
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens)", pool.num_blocks, pool.block_size,
                  pool.num_blocks * pool.block_size)

@@ -12,9 +12,9 @@ at a time on the engine's compute thread (`compute_thread`: the one thread that 
 model, for OpenMP's sake; CUDA's current device, streams and graphs are per-thread state too),
 awaited by the event loop, which keeps serving clients during a forward.
 
-Also here: building a runner from a loaded model, its KV pool sized from a memory budget measured
-at start (edgeinfer.worker.device_memory: CUDA, free device memory after the weights are loaded and a
-worst-case step has run; CPU, available RAM).
+With a draft model (SchedulerConfig.speculative "draft"), the draft model first writes the rows'
+draft feeds into its own pool and drafts (edgeinfer.worker.draft_model); the target's forward
+then verifies those drafts like prompt-lookup ones, against the draft distributions.
 """
 
 from __future__ import annotations
@@ -30,16 +30,12 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import torch
 
-from edgeinfer.config import RuntimeConfig
 from edgeinfer.core.messages import StepPlan, StepResult
-from edgeinfer.models.loader import LoadedModel
 from edgeinfer.worker.batch import SeqChunk
-from edgeinfer.worker.device_memory import num_kv_blocks, worst_case_step_bytes
-from edgeinfer.worker.llm import build_model, graph_batch_sizes
+from edgeinfer.worker.draft_model import DraftModel
 from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import SampleOutput, SamplingBatch, processed_logits, sample, sampling_probs
 from edgeinfer.worker.verify import verify_greedy, verify_sampled, verify_uniforms
-from kernels.kv_pool import KVPool, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,10 +92,13 @@ class ModelActor:
     """Runs StepPlans on a runner; `handle` is the actor's message handler (see actor.serve)."""
 
     def __init__(self, runner: StepRunner, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 seed: int = 0, sampler: Sampler = sample, thread: ThreadPoolExecutor | None = None) -> None:
+                 seed: int = 0, sampler: Sampler = sample, thread: ThreadPoolExecutor | None = None,
+                 draft: ModelRunner | None = None) -> None:
         """``thread``: the one-worker executor that runs every step (the engine's compute
-        thread, which also built the runner); None: the actor makes its own."""
+        thread, which also built the runner); None: the actor makes its own. ``draft``: the draft
+        model's runner, whose pool has the target pool's blocks."""
         self.runner = runner
+        self.draft = None if draft is None else DraftModel(draft, eos_token_ids)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._seed = seed
@@ -112,7 +111,8 @@ class ModelActor:
         """A fresh actor (new generator, the same compute thread) over the same runner, after a
         failed step."""
         return ModelActor(self.runner, self.vocab_size, self.eos_token_ids, self._seed + 1, self._sampler,
-                          None if self._owns_thread else self._thread)
+                          None if self._owns_thread else self._thread,
+                          None if self.draft is None else self.draft.runner)
 
     async def handle(self, plan: StepPlan) -> StepResult:
         return await run_on(self._thread, self.execute, plan)
@@ -130,14 +130,21 @@ class ModelActor:
     def _step(self, plan: StepPlan) -> StepResult:
         if plan.block_copies:
             self.runner.pool.copy_blocks(list(plan.block_copies))
+            if self.draft is not None:
+                self.draft.runner.pool.copy_blocks(list(plan.block_copies))
+        drafts: dict[int, tuple[int, ...]] = {}  # row -> the draft model's drafts
+        draft_probs = None
+        if self.draft is not None and any(s.draft_feed for s in plan.seqs):
+            proposed, draft_probs = self.draft.propose(list(plan.seqs), self._generator)
+            drafts = dict(zip([i for i, s in enumerate(plan.seqs) if s.model_drafts], proposed, strict=True))
         # Logits for each chunk's last token, and for every draft position of a chunk with drafts;
         # rows of unfinished prefill chunks are dropped.
-        chunks = [SeqChunk(s.token_ids, s.start_pos, s.block_table, num_logits=1 + len(s.draft_ids))
-                  for s in plan.seqs]
+        chunks = [SeqChunk(s.token_ids + drafts.get(i, ()), s.start_pos, s.block_table, num_logits=1 + s.num_drafts)
+                  for i, s in enumerate(plan.seqs)]
         logits = self.runner.logits(chunks)
         ends = list(accumulate(c.num_logits for c in chunks))  # each chunk's last logits row + 1
-        plain = [i for i, s in enumerate(plan.seqs) if s.sample and not s.draft_ids and not s.beam_candidates]
-        drafted = [i for i, s in enumerate(plan.seqs) if s.sample and s.draft_ids]
+        plain = [i for i, s in enumerate(plan.seqs) if s.sample and not s.num_drafts and not s.beam_candidates]
+        drafted = [i for i, s in enumerate(plan.seqs) if s.sample and s.num_drafts]
         beams = [i for i, s in enumerate(plan.seqs) if s.sample and s.beam_candidates]
         if not plain and not drafted and not beams:
             return StepResult(plan.step_id, (), ())
@@ -145,7 +152,8 @@ class ModelActor:
         failed: dict[int, str] = {}  # seq id -> why its row failed
         self._contained(plan, plain, rows, failed, lambda idx, out: self._sample_plain(
             plan, idx, logits[[ends[i] - 1 for i in idx for _ in plan.seqs[i].choices]], out))
-        self._contained(plan, drafted, rows, failed, lambda idx, out: self._verify_drafts(plan, idx, logits, ends, out))
+        self._contained(plan, drafted, rows, failed, lambda idx, out: self._verify_drafts(
+            plan, idx, logits, ends, drafts, draft_probs, out))
         self._contained(plan, beams, rows, failed, lambda idx, out: self._beam_candidates(
             plan, idx, logits[[ends[i] - 1 for i in idx]], out))
         order = [(plan.seqs[i].seq_id, row) for i in sorted(rows) for row in rows[i]]
@@ -218,24 +226,27 @@ class ModelActor:
             rows[i] = [((ids[0],), lps[0], tuple(zip(ids[:k], lps[:k], strict=True)))]
 
     def _verify_drafts(self, plan: StepPlan, indices: list[int], logits: torch.Tensor, ends: list[int],
+                       model_drafts: dict[int, tuple[int, ...]], draft_probs: torch.Tensor | None,
                        rows: dict[int, list]) -> None:
-        """Rejection-rule verification of prompt-lookup drafts (one-hot draft distributions), all
-        drafted rows in one padded batch; greedy rows reduce to 'accept while equal to argmax'."""
+        """Rejection-rule verification of drafted rows in one padded batch: prompt-lookup drafts
+        (one-hot draft distributions) or the draft model's, drawn from ``draft_probs`` (its rows
+        in plan order; None when they were all greedy). Greedy rows reduce to 'accept while
+        equal to the argmax'."""
         seqs = [plan.seqs[i] for i in indices]
-        k = max(len(s.draft_ids) for s in seqs)
+        drafts = [s.draft_ids or model_drafts[i] for i, s in zip(indices, seqs, strict=True)]
+        k = max(len(d) for d in drafts)
         positions = []  # (row, j) -> logits row; padding repeats the row's last position
-        for i, s in zip(indices, seqs, strict=True):
-            first = ends[i] - 1 - len(s.draft_ids)
-            positions.extend(first + min(j, len(s.draft_ids)) for j in range(k + 1))
-        histories = [list(s.output_ids) + list(s.draft_ids[:j]) for s in seqs for j in range(k + 1)]
+        for i, d in zip(indices, drafts, strict=True):
+            first = ends[i] - 1 - len(d)
+            positions.extend(first + min(j, len(d)) for j in range(k + 1))
+        histories = [list(s.output_ids) + list(d[:j]) for s, d in zip(seqs, drafts, strict=True) for j in range(k + 1)]
         expanded = [s for s in seqs for _ in range(k + 1)]
         batch = SamplingBatch.from_params(
             [s.params for s in expanded], [s.prompt_ids for s in expanded], histories, self.vocab_size,
             self.eos_token_ids, choice_indices=[s.choices[0] for s in expanded], device=logits.device,
             generator=self._generator)
-        draft_ids = torch.tensor([list(s.draft_ids) + [0] * (k - len(s.draft_ids)) for s in seqs],
-                                 device=logits.device)
-        num_drafts = torch.tensor([len(s.draft_ids) for s in seqs], device=logits.device)
+        draft_ids = torch.tensor([list(d) + [0] * (k - len(d)) for d in drafts], device=logits.device)
+        num_drafts = torch.tensor([len(d) for d in drafts], device=logits.device)
         if batch.all_greedy:  # argmax only: no softmax over the vocabulary per position
             processed = processed_logits(logits[positions], batch).view(len(seqs), k + 1, -1)
             token_ids, emitted = verify_greedy(draft_ids, num_drafts, processed)
@@ -243,30 +254,10 @@ class ModelActor:
             probs = sampling_probs(logits[positions], batch).view(len(seqs), k + 1, -1)
             uniforms = torch.stack([verify_uniforms(s.params.seed, s.choices[0], len(s.output_ids), k,
                                                     self._generator) for s in seqs]).to(logits.device)
-            token_ids, emitted = verify_sampled(draft_ids, num_drafts, probs, None, uniforms)
+            q = None
+            if draft_probs is not None:
+                order = sorted(model_drafts)  # draft_probs' rows
+                q = draft_probs[[order.index(i) for i in indices], :k]
+            token_ids, emitted = verify_sampled(draft_ids, num_drafts, probs, q, uniforms)
         for i, ids, n in zip(indices, token_ids.tolist(), emitted.tolist(), strict=True):
             rows[i] = [(tuple(ids[:n]), 0.0, ())]
-
-
-def build_runner(loaded: LoadedModel, runtime: RuntimeConfig, step_tokens: int = 512,
-                 step_seqs: int = 64) -> ModelRunner:
-    """Prepare the weights for the runtime's device and path, run a worst-case step of
-    ``step_tokens`` tokens and ``step_seqs`` sampled rows (CUDA; see edgeinfer.worker.device_memory),
-    then size and allocate the pool from what is left."""
-    model = build_model(loaded, runtime, take_weights=True)
-    device, path, c = model.device, model.linear_path, loaded.config
-    bytes_per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
-                                         runtime.key_dtype, runtime.value_dtype)
-    step_bytes = worst_case_step_bytes(model, runtime, step_tokens, step_seqs)
-    # Measured after the weights are on the device, so the budget is what is really left.
-    blocks = num_kv_blocks(runtime, bytes_per_token * runtime.block_size, device, reserved_bytes=step_bytes)
-    pool = KVPool(c.num_layers, blocks, runtime.block_size, c.num_kv_heads, c.head_dim,
-                  runtime.key_dtype, runtime.value_dtype, device)
-    log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token over all layers "
-             "(K %s, V %s, %s, linear path %s)", blocks, runtime.block_size, blocks * runtime.block_size,
-             pool.nbytes() / 2**20, bytes_per_token, runtime.key_dtype, runtime.value_dtype, device, path)
-    if step_bytes:
-        log.info("a worst-case step (%d tokens) peaked at %.1f MiB of activations, held back from the pool",
-                 step_tokens, step_bytes / 2**20)
-    return ModelRunner(model, pool, runtime.block_size, graph_batch_sizes=graph_batch_sizes(runtime),
-                       activation_bytes_per_token=-(-step_bytes // step_tokens))

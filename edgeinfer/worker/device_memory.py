@@ -19,7 +19,7 @@ from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.kv_calibration import prepare_quantized_kv
-from kernels.kv_pool import KVPool
+from edgeinfer.worker.kv_pools import kv_pool
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -72,8 +72,7 @@ def worst_case_step_bytes(model: LlamaModel, runtime: RuntimeConfig, step_tokens
     chunks += [SeqChunk((ids[i % long_len],), 0, (long_blocks + i,)) for i in range(step_seqs - 1)]
     prepare_quantized_kv(model)  # before any quantized key is written (no-op for plain caches)
     torch.cuda.synchronize(model.device)
-    pool = KVPool(c.num_layers, long_blocks + step_seqs - 1, bs, c.num_kv_heads, c.head_dim,
-                  runtime.key_dtype, runtime.value_dtype, model.device)
+    pool = kv_pool(c, long_blocks + step_seqs - 1, bs, runtime.key_dtype, runtime.value_dtype, model.device)
     base = torch.cuda.memory_allocated(model.device)
     torch.cuda.reset_peak_memory_stats(model.device)
     try:

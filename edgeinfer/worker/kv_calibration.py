@@ -14,7 +14,7 @@ import torch
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.tokenizer import Tokenizer
 from edgeinfer.worker.batch import CPU_PREFILL_CHUNK, SeqChunk, build_batch
-from kernels.kv_pool import KVPool
+from edgeinfer.worker.kv_pools import kv_pool
 
 CALIBRATION_TEXT = """\
 The history of the printing press begins in the fifteenth century, when movable type made books cheaper and
@@ -52,7 +52,7 @@ def prepare_quantized_kv(model: LlamaModel) -> None:
     c = model.config
     ids = tuple(model.kv_calibration_ids[: c.max_position])
     num_blocks = -(-len(ids) // 16)
-    pool = KVPool(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, "fp32", "fp32", model.device)
+    pool = kv_pool(c, num_blocks, 16, "fp32", "fp32", model.device)
     keys: list[torch.Tensor] = []  # layer by layer, chunk after chunk
     for start in range(0, len(ids), CPU_PREFILL_CHUNK):  # bounded activations, as a prompt's prefill
         chunk = SeqChunk(ids[start:start + CPU_PREFILL_CHUNK], start, tuple(range(num_blocks)))

@@ -120,14 +120,14 @@ def test_free_memory_travels_in_the_step_result() -> None:
 def test_worst_case_step_is_measured_and_held_back_on_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from edgeinfer.engine.model_actor import build_runner
     from edgeinfer.models.synthetic import synthetic_model
+    from edgeinfer.worker.build import build_runners
 
     loaded = synthetic_model("135m", "int4", seed=5, max_position=1024)
     runtime = RuntimeConfig(device="cuda", kv_memory_fraction=0.05)
-    small = build_runner(loaded, runtime, step_tokens=64, step_seqs=4)
+    small, _ = build_runners(loaded, runtime, step_tokens=64, step_seqs=4)
     loaded = synthetic_model("135m", "int4", seed=5, max_position=1024)
-    big = build_runner(loaded, runtime, step_tokens=1024, step_seqs=64)
+    big, _ = build_runners(loaded, runtime, step_tokens=1024, step_seqs=64)
     assert 0 < small.activation_bytes_per_token
     # The bigger step's attention and logits make its peak larger; its pool is smaller by it.
     assert big.activation_bytes_per_token * 1024 > small.activation_bytes_per_token * 64

@@ -18,6 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from fake_runner import greedy_alone
 
 from edgeinfer.config import SchedulerConfig
 from edgeinfer.core.events import Finished, Token
@@ -26,7 +27,6 @@ from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.engine.api import Engine
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.batch import SeqChunk
-from edgeinfer.worker.llm import generate_tokens
 from edgeinfer.worker.model_runner import ModelRunner
 from kernels.kv_pool import KVPool
 
@@ -73,8 +73,7 @@ def make_runner(model: LlamaModel, num_blocks: int, graphs: bool = True) -> Mode
 
 def greedy(model: LlamaModel, prompt_ids: list[int], graphs: bool = True) -> list[int]:
     runner = make_runner(model, -(-(len(prompt_ids) + NUM_TOKENS) // 16), graphs)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    return list(generate_tokens(runner, prompt_ids, params))
+    return greedy_alone(runner, prompt_ids, NUM_TOKENS)
 
 
 def logit_gap(cpu: LlamaModel, context: list[int], a: int, b: int) -> float:

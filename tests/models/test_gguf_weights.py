@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fake_runner import greedy_alone
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.models.loader import load_model
 from edgeinfer.worker.batch import SeqChunk
-from edgeinfer.worker.llm import build_model, generate_tokens, single_stream_runner
+from edgeinfer.worker.build import build_model, fixed_runner
 from kernels import cpu_ops
 from quant.formats import QuantizedTensor
 from quant.gguf_import import FileRows, ModelFileError, convert_tensor
@@ -136,9 +136,9 @@ def test_embedding_stays_in_the_file(default_model_path: Path) -> None:
     ids = list(range(300, 340))
     runs = []
     for model in (from_file, held):
-        runner = single_stream_runner(model, runtime, len(ids) + 9)
+        runner = fixed_runner(model, runtime, len(ids) + 9)
         prefill = runner.logits([SeqChunk(tuple(ids), 0, tuple(range(runner.pool.num_blocks)))])
-        runner = single_stream_runner(model, runtime, len(ids) + 9)
-        tokens = list(generate_tokens(runner, ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
+        runner = fixed_runner(model, runtime, len(ids) + 9)
+        tokens = greedy_alone(runner, ids, 8)
         runs.append((prefill, tokens))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]

@@ -5,7 +5,7 @@ import torch
 
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.worker.batch import CPU_PREFILL_CHUNK, SeqChunk
-from edgeinfer.worker.llm import build_model, prefill, single_stream_runner
+from edgeinfer.worker.build import build_model, fixed_runner
 
 PROMPTS = [
     "The capital of France is",
@@ -59,7 +59,7 @@ def hf_runs(hf_reference, loaded_model):
 
 def test_fp32_logits_match_transformers(loaded_model, hf_runs) -> None:
     runtime = RuntimeConfig(linear_path="reference")
-    runner = single_stream_runner(build_model(loaded_model, runtime), runtime, 128)
+    runner = fixed_runner(build_model(loaded_model, runtime), runtime, 128)
     for prompt, (ids, hf_tokens, hf_logits) in hf_runs.items():
         tokens, logits = _ours_greedy(runner, ids, STEPS)
         assert tokens == hf_tokens, prompt
@@ -77,18 +77,17 @@ def test_chunked_prefill_matches_transformers(loaded_model, hf_reference) -> Non
         expected = hf_model(torch.tensor([ids])).logits[0, -1].float()
     runtime = RuntimeConfig(linear_path="reference")
     model = build_model(loaded_model, runtime)
-    for chunk in (None, 77):
-        runner = single_stream_runner(model, runtime, len(ids))
-        assert _rel(prefill(runner, ids, chunk)[0], expected) < 1e-4, chunk
-    with pytest.raises(ValueError, match="empty"):
-        prefill(runner, [])
-    with pytest.raises(ValueError, match="positive"):
-        prefill(runner, ids, 0)
+    for chunk in (CPU_PREFILL_CHUNK, 77):
+        runner = fixed_runner(model, runtime, len(ids))
+        table = tuple(range(runner.pool.num_blocks))
+        for start in range(0, len(ids), chunk):  # only the last chunk's logits are checked
+            logits = runner.logits([SeqChunk(tuple(ids[start:start + chunk]), start, table)])
+        assert _rel(logits[0], expected) < 1e-4, chunk
 
 
 def test_int4_fast_path_greedy_matches_for_16_tokens(loaded_model, hf_runs, capsys) -> None:
     runtime = RuntimeConfig(linear_path="int4_cpu")
-    runner = single_stream_runner(build_model(loaded_model, runtime), runtime, 128)
+    runner = fixed_runner(build_model(loaded_model, runtime), runtime, 128)
     agree = total = 0
     exact = 0
     for prompt, (ids, hf_tokens, hf_logits) in hf_runs.items():

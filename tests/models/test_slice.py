@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_runner import greedy_alone
 
 from edgeinfer.config import RuntimeConfig
-from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.models.loader import load_model
-from edgeinfer.worker.llm import build_model, generate_tokens, single_stream_runner
+from edgeinfer.worker.build import build_model, fixed_runner
 from quant.formats import QuantizedTensor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +40,7 @@ RUNTIME = RuntimeConfig(linear_path="reference", kv_dtype="fp32")  # the CPU fp3
 
 
 def greedy(model, prompt_ids: list[int], max_tokens: int = 16) -> list[int]:  # noqa: ANN001
-    runner = single_stream_runner(model, RUNTIME, len(prompt_ids) + max_tokens)  # a fresh pool
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return list(generate_tokens(runner, prompt_ids, params))
+    return greedy_alone(fixed_runner(model, RUNTIME, len(prompt_ids) + max_tokens), prompt_ids, max_tokens)
 
 
 def test_slice_fits_and_is_bit_exact(slice_dir: Path, loaded_model) -> None:  # noqa: ANN001

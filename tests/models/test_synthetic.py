@@ -9,7 +9,7 @@ import torch
 from edgeinfer.config import ModelConfig, RuntimeConfig
 from edgeinfer.models.synthetic import SHAPES, effective_group, synthetic_model, weight_bytes
 from edgeinfer.worker.batch import SeqChunk
-from edgeinfer.worker.llm import build_model, single_stream_runner
+from edgeinfer.worker.build import build_model, fixed_runner
 from quant.formats import QuantizedTensor
 
 TINY = ModelConfig(vocab_size=320, hidden_size=96, intermediate_size=160, num_layers=3, num_heads=6,
@@ -64,7 +64,7 @@ def test_tiny_forward_finite_and_deterministic(fmt: str, path: str) -> None:
     runtime = RuntimeConfig(linear_path=path)
     logits = []
     for _ in range(2):
-        runner = single_stream_runner(build_model(loaded, runtime), runtime, 32)
+        runner = fixed_runner(build_model(loaded, runtime), runtime, 32)
         table = tuple(range(runner.pool.num_blocks))
         first = runner.logits([SeqChunk((1, 5, 7, 9, 11), 0, table)])
         logits.append(torch.cat([first, runner.logits([SeqChunk((4,), 5, table)])]))
@@ -81,6 +81,6 @@ def test_135m_shape_builds_small_and_runs_on_the_cpu() -> None:
     # int4 with fp16 scales and mins: ~0.53 bytes per weight, no fp32 copy anywhere.
     assert 60e6 < weight_bytes(loaded) < 90e6
     runtime = RuntimeConfig(linear_path="int4_cpu")
-    runner = single_stream_runner(build_model(loaded, runtime), runtime, 32)
+    runner = fixed_runner(build_model(loaded, runtime), runtime, 32)
     logits = runner.logits([SeqChunk(tuple(range(1, 9)), 0, tuple(range(runner.pool.num_blocks)))])
     assert logits.shape == (1, 49152) and torch.isfinite(logits).all()

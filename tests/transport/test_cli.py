@@ -46,6 +46,9 @@ def test_missing_draft_model_is_a_clear_error(default_model_path, tmp_path) -> N
     result = _edgeinfer("generate", "hi", "--draft-model", str(tmp_path / "nope.gguf"), model=default_model_path)
     assert result.returncode == 2
     assert "nope.gguf" in result.stderr
+    both = _edgeinfer("generate", "hi", "--speculative", "ngram", "--draft-model", str(default_model_path),
+                      model=default_model_path)
+    assert both.returncode == 2 and "choose one" in both.stderr
 
 
 def test_beam_search_generate(default_model_path) -> None:

@@ -32,8 +32,8 @@ from edgeinfer.core.events import INTERNAL, Accepted, Error, Finished, Token
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.engine.api import Engine, SupervisionConfig
-from edgeinfer.engine.model_actor import build_runner
 from edgeinfer.models.loader import load_model
+from edgeinfer.worker.build import build_runners
 from edgeinfer.worker.sampler import sample
 
 RUNTIME = RuntimeConfig(linear_path="int4_cpu", num_kv_blocks=256, num_threads=2)
@@ -43,7 +43,7 @@ SCHEDULER = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
 @pytest.fixture(scope="module")
 def runner_and_model(default_model_path):  # noqa: ANN001, ANN201
     loaded = load_model(default_model_path)
-    return build_runner(loaded, RUNTIME, SCHEDULER.max_num_batched_tokens, SCHEDULER.max_num_seqs), loaded
+    return build_runners(loaded, RUNTIME, SCHEDULER.max_num_batched_tokens, SCHEDULER.max_num_seqs)[0], loaded
 
 
 def engine_over(runner_and_model: Any, **options: Any) -> Engine:
