@@ -48,8 +48,8 @@ from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.models.loader import LoadedModel  # noqa: E402
 from edgeinfer.models.synthetic import synthetic_model  # noqa: E402
 from edgeinfer.worker.batch import SeqChunk  # noqa: E402
+from edgeinfer.worker.kv_pools import kv_pool  # noqa: E402
 from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
-from kernels.kv_pool import KVPool  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 from tools.bench_common import copy_bandwidth, int_list, table_cell  # noqa: E402
 
@@ -133,8 +133,7 @@ def bench_ours(loaded: LoadedModel, args: argparse.Namespace, device: torch.devi
         _reset_peak(device)
         per_seq = -(-(args.context + args.warmup + args.steps + 1) // BLOCK_SIZE)
         ttft_blocks = -(-(args.prompt_len + 1) // BLOCK_SIZE)
-        pool = KVPool(c.num_layers, max(batch * per_seq, ttft_blocks), BLOCK_SIZE, c.num_kv_heads, c.head_dim,
-                      args.kv_dtype, args.kv_dtype, device)
+        pool = kv_pool(c, max(batch * per_seq, ttft_blocks), BLOCK_SIZE, args.kv_dtype, args.kv_dtype, device)
         sizes = (batch,) if device.type == "cuda" and not args.no_graphs else ()
         runner = ModelRunner(model, pool, BLOCK_SIZE, graph_batch_sizes=sizes, max_blocks_per_seq=per_seq)
         if ttft_ms is None:  # batch 1, the whole prompt in one prefill chunk, until its token is on the host

@@ -33,8 +33,8 @@ from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.models.loader import LoadedModel, load_model  # noqa: E402
 from edgeinfer.worker.batch import SeqChunk  # noqa: E402
 from edgeinfer.worker.build import build_model  # noqa: E402
+from edgeinfer.worker.kv_pools import kv_pool  # noqa: E402
 from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
-from kernels.kv_pool import KVPool  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 from quant.perplexity import perplexity, text_tokens  # noqa: E402
 
@@ -87,7 +87,7 @@ def _decode_tok_s(loaded: LoadedModel, num_tokens: int) -> float:
     c = loaded.config
     num_tokens += WARMUP_STEPS
     num_blocks = (16 + num_tokens) // 16 + 1
-    runner = ModelRunner(model, KVPool(c.num_layers, num_blocks, 16, c.num_kv_heads, c.head_dim, "fp32"), 16)
+    runner = ModelRunner(model, kv_pool(c, num_blocks, 16, "fp32", "fp32"), 16)
     table = tuple(range(num_blocks))
     token = int(runner.logits([SeqChunk(tuple(range(100, 116)), 0, table)]).argmax(-1)[0])
     steps = []
