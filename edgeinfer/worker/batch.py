@@ -37,39 +37,43 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
     starts = [0]
     context_lens: list[int] = []
     logits_indices: list[int] = []
+    max_blocks = max(len(c.block_table) for c in chunks)
+    tables: list[int] = []  # (S, max_blocks) row-major, padded with 0
     for chunk in chunks:
         n = len(chunk.token_ids)
         if n == 0:
             raise ValueError("a SeqChunk must carry at least one new token")
         end = chunk.start_pos + n
-        if len(chunk.block_table) * block_size < end:
+        table = chunk.block_table
+        if len(table) * block_size < end:
             raise ValueError(
-                f"block table of {len(chunk.block_table)} blocks cannot hold {end} tokens "
-                f"(block_size {block_size})"
-            )
+                f"block table of {len(table)} blocks cannot hold {end} tokens (block_size {block_size})")
         token_ids.extend(chunk.token_ids)
-        for pos in range(chunk.start_pos, end):
-            positions.append(pos)
-            slots.append(chunk.block_table[pos // block_size] * block_size + pos % block_size)
+        positions.extend(range(chunk.start_pos, end))
+        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(chunk.start_pos, end))
         base = starts[-1]
         starts.append(base + n)
         context_lens.append(end)
         logits_indices.extend(range(base + n - chunk.num_logits, base + n))
-    max_blocks = max(len(c.block_table) for c in chunks)
-    tables = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
-    for row, chunk in enumerate(chunks):
-        tables[row, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+        tables.extend(table)
+        tables.extend([0] * (max_blocks - len(table)))
+    # One host tensor per dtype, cut into views: a decode step's batch is a few tensor
+    # constructions (and on CUDA a few copies), not one per field.
+    num = len(token_ids)
+    longs = torch.tensor(token_ids + positions + slots + logits_indices, dtype=torch.int64).to(device)
+    ints = torch.tensor(tables + context_lens + starts, dtype=torch.int32).to(device)
+    num_tables = len(tables)
     meta = BatchMeta(
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_tables=tables.to(device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        is_decode=all(len(c.token_ids) == 1 for c in chunks),
+        positions=longs[num:2 * num],
+        slot_mapping=longs[2 * num:3 * num],
+        block_tables=ints[:num_tables].view(len(chunks), max_blocks),
+        context_lens=ints[num_tables:num_tables + len(chunks)],
+        query_start_loc=ints[num_tables + len(chunks):],
+        logits_indices=longs[3 * num:],
+        is_decode=num == len(chunks),
         seq_view=_consecutive_blocks(chunks[0], block_size) if len(chunks) == 1 else None,
     )
-    return torch.tensor(token_ids, dtype=torch.int64, device=device), meta
+    return longs[:num], meta
 
 
 def _consecutive_blocks(chunk: SeqChunk, block_size: int) -> tuple[int, int] | None:

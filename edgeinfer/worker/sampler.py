@@ -99,8 +99,6 @@ class SamplingBatch:
         num_rows = len(params)
         assert len(prompt_ids) == len(output_ids) == num_rows
         choices = choice_indices if choice_indices is not None else [0] * num_rows
-        floats = lambda values: torch.tensor(values, dtype=torch.float32)
-
         uniforms = torch.rand(num_rows, dtype=torch.float64, generator=generator)
         seeded = [(i, seeded_uniform(p.seed, choices[i], len(output_ids[i])))
                   for i, p in enumerate(params) if p.seed is not None]
@@ -121,23 +119,35 @@ class SamplingBatch:
         bias_rows, bias_ids, bias_values = zip(*bias, strict=True) if bias else ((), (), ())
         suppress_rows, suppress_ids = zip(*suppress, strict=True) if suppress else ((), ())
 
+        # One host tensor per dtype, cut into views: a decode step's batch costs a few tensor
+        # constructions, not one per field.
+        n, b, m = num_rows, len(bias), len(suppress)
+        penalties = [v for p in params for v in (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)] \
+            if penalised else []
+        floats = torch.tensor([*(1.0 if p.is_greedy else p.temperature for p in params), *(p.top_p for p in params),
+                               *(math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params), *bias_values,
+                               *penalties], dtype=torch.float32)
+        longs = torch.tensor([*(p.top_k if p.top_k > 0 else vocab_size for p in params), *bias_rows, *bias_ids,
+                              *suppress_rows, *suppress_ids], dtype=torch.int64)
+        by_row = floats[3 * n + b:].view(n, 3) if penalised else None
+
         batch = cls(
-            temperature=floats([1.0 if p.is_greedy else p.temperature for p in params]),
+            temperature=floats[:n],
             greedy=torch.tensor([p.is_greedy for p in params], dtype=torch.bool),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]),
-            top_p=floats([p.top_p for p in params]),
-            log_min_p=floats([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]),
+            top_k=longs[:n],
+            top_p=floats[n:2 * n],
+            log_min_p=floats[2 * n:3 * n],
             uniforms=uniforms,
-            repetition_penalty=floats([p.repetition_penalty for p in params]) if penalised else None,
-            presence_penalty=floats([p.presence_penalty for p in params]) if penalised else None,
-            frequency_penalty=floats([p.frequency_penalty for p in params]) if penalised else None,
+            repetition_penalty=by_row[:, 0] if by_row is not None else None,
+            presence_penalty=by_row[:, 1] if by_row is not None else None,
+            frequency_penalty=by_row[:, 2] if by_row is not None else None,
             seen_in_prompt=seen_in_prompt,
             output_counts=output_counts,
-            bias_rows=torch.tensor(bias_rows, dtype=torch.int64),
-            bias_ids=torch.tensor(bias_ids, dtype=torch.int64),
-            bias_values=floats(bias_values),
-            suppress_rows=torch.tensor(suppress_rows, dtype=torch.int64),
-            suppress_ids=torch.tensor(suppress_ids, dtype=torch.int64),
+            bias_rows=longs[n:n + b],
+            bias_ids=longs[n + b:n + 2 * b],
+            bias_values=floats[3 * n:3 * n + b],
+            suppress_rows=longs[n + 2 * b:n + 2 * b + m],
+            suppress_ids=longs[n + 2 * b + m:],
             needs_sort=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in params),
             max_top_k=max((p.top_k for p in params if 0 < p.top_k < vocab_size), default=0),
             all_greedy=all(p.is_greedy for p in params),
