@@ -33,8 +33,8 @@ tokens. Each sequence's AdaptiveK sets its draft length from its acceptance rate
 
 Siblings hold the rest of the scheduler's methods, by job: admission.py (add_request and the
 admission rule), forks.py (parallel sampling's choices and beam search's beams), output.py
-(tokens through stop checks and detokenizers, finished requests and their usage); sequence.py
-holds the per-sequence state they all write.
+(tokens through stop checks and detokenizers, finished requests and their usage),
+prompt_logprobs.py (scoring prompt tokens); sequence.py holds the per-sequence state they all write.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from edgeinfer.core.events import INTERNAL, Error, Event
 from edgeinfer.core.forks import ForkMixin
 from edgeinfer.core.messages import SeqStep, StepPlan, StepResult
 from edgeinfer.core.output import OutputMixin
+from edgeinfer.core.prompt_logprobs import gather_prompt_logprobs, prompt_logprob_ids
 from edgeinfer.core.sequence import Detokenizer, SchedulerStats, SeqState
 from edgeinfer.core.speculative import PROMPT_LOOKUP_NGRAM_MIN, propose_ngram
 
@@ -143,7 +144,8 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs and self._can_admit(self.waiting[0])):
             seq = self.waiting[0]
-            allocation = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            # Cached positions have no logits: a sequence still scoring its prompt computes all.
+            allocation = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_cache=seq.prompt_logprobs is None)
             if allocation is None:
                 break
             self.waiting.popleft()
@@ -188,12 +190,13 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
                row_tokens: list[tuple[int, ...]], now: float) -> list[Event]:
         """One sequence's share of a step's result."""
         seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
-        if step.draft_ids:
-            return self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now)
+        events = gather_prompt_logprobs(seq, step, result) if seq.prompt_logprobs is not None else []
+        if step.draft_ids:  # (a prompt's last token may carry drafts)
+            return events + self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now)
         seq.num_computed = step.start_pos + len(step.token_ids)
         self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         if not step.sample:
-            return []
+            return events
         if step.beam_candidates:
             assert seq.beam is not None and result.top_logprobs is not None
             seq.beam.reported[seq.seq_id] = result.top_logprobs[rows[seq.seq_id]]
@@ -201,7 +204,6 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
         row = rows[seq.seq_id]  # the first of len(step.choices) rows
         # Fork before the parent takes its token: children share the prompt, not its output.
         children = [self._fork(seq, index) for index in step.choices[1:]]
-        events: list[Event] = []
         for offset, choice in enumerate([seq, *children]):
             events.extend(self._emit_tokens(choice, row_tokens[row + offset], now,
                                             self._logprobs(choice, result, row + offset)))
@@ -240,9 +242,11 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin):
         wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
+        end = start + len(chunk) - len(drafts)
+        scored = prompt_logprob_ids(seq, start, end) if seq.prompt_logprobs is not None else ()
         return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
                        tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
-                       drafts, beam_candidates)
+                       drafts, beam_candidates, prompt_logprob_ids=scored)
 
     def _drafts(self, seq: SeqState, budget: int, copies: list[tuple[int, int]]) -> tuple[int, ...]:
         """Prompt-lookup drafts for a decoding sequence, their slots reserved; () when
