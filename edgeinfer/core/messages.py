@@ -39,9 +39,10 @@ class SeqStep:
     # A beam's row: reply this many best next tokens with their log-probabilities (top_logprobs)
     # instead of a sample; the scheduler's beam search picks among them.
     beam_candidates: int = 0
-    # Prompt tokens to score (SamplingParams.prompt_logprobs; edgeinfer.core.prompt_logprobs): the
-    # tokens that the chunk's last positions predict, up to the last prompt token, which the
-    # position before a sampled one predicts. Answered in StepResult.prompt_logprobs.
+    # Prompt tokens to score (SamplingParams.prompt_logprobs; edgeinfer.core.prompt_logprobs), in
+    # order: those the chunk's last len(...) positions predict; in a chunk that samples, the
+    # positions just before its last one (which predicts the first output token). Answered in
+    # StepResult.prompt_logprobs.
     prompt_logprob_ids: tuple[int, ...] = ()
 
     @classmethod
