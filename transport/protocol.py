@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from edgeinfer.core.events import Accepted, Error, Event, Finished, Token
+from edgeinfer.core.events import Accepted, Error, Event, Finished, PromptLogprobs, Token, TokenLogprob
 from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 
 PROTOCOL_VERSION = "edgeinfer/1"
@@ -325,9 +325,10 @@ def event_to_wire(event: Event, client_id: str) -> dict[str, Any]:
         if event.index:
             wire["index"] = event.index
         if event.logprobs is not None:
-            wire["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
-                                 "top": [[t, p] for t, p in lp.top]} for lp in event.logprobs]
+            wire["logprobs"] = _logprobs_to_wire(event.logprobs)
         return wire
+    if isinstance(event, PromptLogprobs):
+        return {"type": "prompt_logprobs", "id": client_id, "logprobs": _logprobs_to_wire(event.logprobs)}
     if isinstance(event, Finished):
         usage = event.usage
         wire = {"type": "done", "id": client_id, "finish_reason": event.finish_reason, "text": event.text,
@@ -340,6 +341,10 @@ def event_to_wire(event: Event, client_id: str) -> dict[str, Any]:
         return wire
     assert isinstance(event, Error), f"not an engine event: {event!r}"
     return error_to_wire(event.code, event.message, client_id, event.retry_after_s)
+
+
+def _logprobs_to_wire(logprobs: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+    return [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, p] for t, p in lp.top]} for lp in logprobs]
 
 
 def error_to_wire(code: str, message: str, request_id: str | None = None,

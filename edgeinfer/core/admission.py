@@ -49,7 +49,8 @@ class AdmissionMixin:
                 f"{self.block_manager.num_blocks * self.block_size} tokens; lower n, beam_width or max_tokens"))
         seq = SeqState(self._next_seq_id, request_id, tuple(prompt_ids), params, max_len, self._clock(),
                        self._make_detokenizer(), StopChecker(params, self.eos_token_ids),
-                       to_fork=0 if params.beam_width else params.n - 1)
+                       to_fork=0 if params.beam_width else params.n - 1,
+                       prompt_logprobs=None if params.prompt_logprobs is None else [])
         if params.beam_width:
             eos = () if params.ignore_eos else self.eos_token_ids
             search = BeamSearchParams(params.beam_width, max_len - len(prompt_ids), params.n, params.length_penalty,

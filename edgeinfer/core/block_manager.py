@@ -105,8 +105,9 @@ class BlockManager:
         """Whether a new sequence of ``num_tokens`` fits with ``reserve`` blocks left (watermark)."""
         return -(-num_tokens // self.block_size) + reserve <= self.num_available
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> Allocation | None:
-        """Give a new sequence blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], use_cache: bool = True) -> Allocation | None:
+        """Give a new sequence blocks for all its tokens, reusing cached prefix blocks unless
+        ``use_cache`` is False (it needs every position computed: prompt logprobs)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         if not token_ids:
@@ -115,7 +116,7 @@ class BlockManager:
         hits: list[int] = []
         hashes: list[bytes] = []
         # The last token must be computed (its logits are needed), so its block is never a hit.
-        for j in range((num_tokens - 1) // bs):
+        for j in range((num_tokens - 1) // bs if use_cache else 0):
             h = self._hash(hashes[-1] if hashes else self._root, token_ids[j * bs:(j + 1) * bs])
             block = self._hash_to_block.get(h)
             if block is None:
@@ -132,7 +133,7 @@ class BlockManager:
             self._refcount[b] += 1
         block_ids = hits + [self._take_block() for _ in range(num_new)]
         self._seqs[seq_id] = _Seq(block_ids, num_tokens, hashes)
-        self.num_queried_tokens += num_tokens
+        self.num_queried_tokens += num_tokens if use_cache else 0
         self.num_hit_tokens += len(hits) * bs
         return Allocation(tuple(block_ids), len(hits) * bs)
 

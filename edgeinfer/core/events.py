@@ -1,7 +1,8 @@
 """What a request's stream yields: frozen plain-data events, msgpack-encodable via to_dict().
 
 The Engine's `generate()` yields exactly one Accepted (or an Error), then Token events, then
-exactly one Finished or Error, and stops. The transport turns each into a wire frame. `Health` is
+exactly one Finished or Error, and stops. A request with SamplingParams.prompt_logprobs also gets
+one PromptLogprobs, before its first Token. The transport turns each into a wire frame. `Health` is
 what the engine says of itself (the server's /healthz).
 """
 
@@ -54,6 +55,20 @@ class Token:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's tokens scored by the model (SamplingParams.prompt_logprobs): logprobs[i] is
+    prompt token i + 1's, given the tokens before it (the first token has none), with the
+    requested alternatives in `top`. Sent once per request, after the prompt's last step."""
+
+    request_id: str
+    logprobs: tuple[TokenLogprob, ...]
+    type: str = "prompt_logprobs"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -90,7 +105,7 @@ class Error:
         return asdict(self)
 
 
-Event = Accepted | Token | Finished | Error
+Event = Accepted | PromptLogprobs | Token | Finished | Error
 
 
 class RequestError(Exception):

@@ -51,12 +51,18 @@ class SeqStep:
     def num_drafts(self) -> int:
         """Drafts this row verifies, from prompt lookup or the draft model."""
         return len(self.draft_ids) or self.model_drafts
+    # Prompt tokens to score (SamplingParams.prompt_logprobs; edgeinfer.core.prompt_logprobs), in
+    # order: those the chunk's last len(...) positions predict; in a chunk that samples, the
+    # positions just before its last one (which predicts the first output token). Answered in
+    # StepResult.prompt_logprobs.
+    prompt_logprob_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:
         fields = dict(data)
         fields["params"] = SamplingParams(**data["params"])
-        for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices", "draft_ids", "draft_feed"):
+        for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices", "draft_ids", "draft_feed",
+                     "prompt_logprob_ids"):
             fields[name] = tuple(data[name])
         return cls(**fields)
 
@@ -84,6 +90,22 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """One sequence's answer to SeqStep.prompt_logprob_ids: each token's log-probability (the
+    log_softmax of the raw logits at the position before it) and, when the request asks for k > 0
+    alternatives, the k best (token id, logprob) there, best first."""
+
+    seq_id: int
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()  # one per token; () for none
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PromptScores:
+        return cls(int(data["seq_id"]), tuple(float(lp) for lp in data["logprobs"]),
+                   tuple(tuple((int(t), float(lp)) for t, lp in row) for row in data["top"]))
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What one step sampled, for the plan's rows with `sample` set, in plan order; a row with
     several choices has that many consecutive entries (its seq id repeated). A row that carried
@@ -100,6 +122,7 @@ class StepResult:
     free_device_bytes: int | None = None  # what a step may still allocate (CUDA), read after this one
     # (seq id, why) for rows whose sampling failed: the scheduler fails their requests alone.
     failed: tuple[tuple[int, str], ...] = ()
+    prompt_logprobs: tuple[PromptScores, ...] = ()  # for the plan's rows with prompt_logprob_ids, in plan order
 
     def row_tokens(self) -> list[tuple[int, ...]]:
         """Each row's emitted tokens."""
@@ -123,4 +146,5 @@ class StepResult:
             num_emitted=None if data.get("num_emitted") is None else tuple(data["num_emitted"]),
             free_device_bytes=data.get("free_device_bytes"),
             failed=tuple((int(seq_id), str(why)) for seq_id, why in data.get("failed", ())),
+            prompt_logprobs=tuple(PromptScores.from_dict(p) for p in data.get("prompt_logprobs", ())),
         )

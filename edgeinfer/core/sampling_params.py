@@ -7,8 +7,8 @@ construction. `check_vocab` is separate because the vocabulary size is known onl
 is loaded.
 
 Semantics follow the OpenAI API where it has a parameter (presence/frequency penalty over
-generated tokens, logit_bias, logprobs, stop, n, seed) and Hugging Face otherwise
-(repetition_penalty over prompt and output tokens, top_k, min_p).
+generated tokens, logit_bias, logprobs, stop, n, seed), vLLM's for prompt_logprobs, and Hugging
+Face otherwise (repetition_penalty over prompt and output tokens, top_k, min_p).
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and k alternatives
+    # None: none; k: each prompt token's logprob (from the second: the first has no context) given
+    # the tokens before it, of the model's raw logits, and k alternatives (edgeinfer.core.prompt_logprobs).
+    prompt_logprobs: int | None = None
     max_tokens: int = 256
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
@@ -110,6 +113,8 @@ class SamplingParams:
             _fail("n", self.n, f"must be in [1, {MAX_N}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             _fail("logprobs", self.logprobs, f"must be null or in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            _fail("prompt_logprobs", self.prompt_logprobs, f"must be null or in [0, {MAX_LOGPROBS}]")
         if not 1 <= self.max_tokens <= MAX_TOKENS:
             _fail("max_tokens", self.max_tokens, f"must be in [1, {MAX_TOKENS}] (and at most the model's context)")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -134,7 +139,7 @@ class SamplingParams:
         if self.beam_width:
             if self.n > self.beam_width:
                 _fail("n", self.n, f"must be <= beam_width={self.beam_width} (the n best beams are returned)")
-            for name, off in (("stop", ()), ("logprobs", None), ("presence_penalty", 0.0),
+            for name, off in (("stop", ()), ("logprobs", None), ("prompt_logprobs", None), ("presence_penalty", 0.0),
                               ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
                 if getattr(self, name) != off:
                     _fail(name, getattr(self, name), "is not supported with beam search")
@@ -238,7 +243,7 @@ def _coerce(name: str, value: Any) -> Any:
 _KINDS = MappingProxyType({
     "temperature": "float", "top_k": "int", "top_p": "float", "min_p": "float",
     "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
-    "logit_bias": "bias", "seed": "int", "n": "int", "logprobs": "int", "max_tokens": "int",
+    "logit_bias": "bias", "seed": "int", "n": "int", "logprobs": "int", "prompt_logprobs": "int", "max_tokens": "int",
     "min_tokens": "int", "stop": "stop", "stop_token_ids": "ids", "ignore_eos": "bool",
     "beam_width": "int", "length_penalty": "float", "early_stopping": "early",
 })

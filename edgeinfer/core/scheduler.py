@@ -31,7 +31,8 @@ drafting.py holds that bookkeeping.
 Siblings hold the rest of the scheduler's methods, by job: admission.py (add_request and the
 admission rule), drafting.py (speculative decoding), forks.py (parallel sampling's choices and
 beam search's beams), output.py (tokens through stop checks and detokenizers, finished requests
-and their usage); sequence.py holds the per-sequence state they all write.
+and their usage), prompt_logprobs.py (scoring prompt tokens); sequence.py holds the per-sequence
+state they all write.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from edgeinfer.core.events import INTERNAL, Error, Event
 from edgeinfer.core.forks import ForkMixin
 from edgeinfer.core.messages import SeqStep, StepPlan, StepResult
 from edgeinfer.core.output import OutputMixin
+from edgeinfer.core.prompt_logprobs import gather_prompt_logprobs, prompt_logprob_ids
 from edgeinfer.core.sequence import Detokenizer, SchedulerStats, SeqState
 
 log = logging.getLogger(__name__)
@@ -139,7 +141,8 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs and self._can_admit(self.waiting[0])):
             seq = self.waiting[0]
-            allocation = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            # Cached positions have no logits: a sequence still scoring its prompt computes all.
+            allocation = self.block_manager.allocate(seq.seq_id, seq.token_ids, use_cache=seq.prompt_logprobs is None)
             if allocation is None:
                 break
             self.waiting.popleft()
@@ -184,14 +187,15 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
                row_tokens: list[tuple[int, ...]], now: float) -> list[Event]:
         """One sequence's share of a step's result."""
         seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
-        if step.num_drafts:
-            return self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now)
+        events = gather_prompt_logprobs(seq, step, result) if seq.prompt_logprobs is not None else []
+        if step.num_drafts:  # (a prompt's last token may carry drafts)
+            return events + self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now)
         if step.draft_feed:
             seq.draft_computed = step.draft_start + len(step.draft_feed)
         seq.num_computed = step.start_pos + len(step.token_ids)
         self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         if not step.sample:
-            return []
+            return events
         if step.beam_candidates:
             assert seq.beam is not None and result.top_logprobs is not None
             seq.beam.reported[seq.seq_id] = result.top_logprobs[rows[seq.seq_id]]
@@ -199,7 +203,6 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         row = rows[seq.seq_id]  # the first of len(step.choices) rows
         # Fork before the parent takes its token: children share the prompt, not its output.
         children = [self._fork(seq, index) for index in step.choices[1:]]
-        events: list[Event] = []
         for offset, choice in enumerate([seq, *children]):
             events.extend(self._emit_tokens(choice, row_tokens[row + offset], now,
                                             self._logprobs(choice, result, row + offset)))
@@ -239,10 +242,11 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
+        scored = prompt_logprob_ids(seq, start, start + len(new)) if seq.prompt_logprobs is not None else ()
         feed, feed_start = self._draft_feed(seq, start, len(new), model_drafts)
         return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
                        tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
-                       drafts, beam_candidates, feed, feed_start, model_drafts)
+                       drafts, beam_candidates, feed, feed_start, model_drafts, prompt_logprob_ids=scored)
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.

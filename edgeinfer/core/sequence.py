@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from edgeinfer.core.beam_search import BeamState
+from edgeinfer.core.events import TokenLogprob
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.core.speculative import AdaptiveK
 from edgeinfer.core.stop import StopChecker
@@ -46,6 +47,9 @@ class SeqState:
     beam: BeamGroup | None = None
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    # Prompt tokens scored so far, in order from the second, until the prompt's last step sends
+    # them (edgeinfer.core.prompt_logprobs); None: not asked for, or already sent.
+    prompt_logprobs: list[TokenLogprob] | None = None
     num_computed: int = 0  # leading tokens whose K/V is in the pool
     num_slots: int = 0  # token slots the block manager holds for it (0: no blocks)
     draft_computed: int = 0  # leading positions the draft model's pool holds (edgeinfer.core.drafting)

@@ -293,11 +293,13 @@ class RequestStream:
             prompt_ids = engine._prompt_ids(request)
         except ValueError as exc:  # bad request shape, bad chat messages or template
             return Error(request.request_id, INVALID_PARAMS, str(exc))
-        # Room for every event the request can produce (accepted, a token event per token of each
-        # of its n choices, the final event), so the scheduler never waits on us, plus one slot
-        # for a slow_reader error should that bound ever be wrong. Buffers grow as used.
+        # Room for every event the request can produce (accepted, prompt logprobs if asked for, a
+        # token event per token of each of its n choices, the final event), so the scheduler never
+        # waits on us, plus one slot for a slow_reader error should that bound ever be wrong.
+        # Buffers grow as used.
         p = request.params
-        send, self._receive = anyio.create_memory_object_stream[Event](2 + p.n * p.max_tokens + 1)
+        room = 2 + (p.prompt_logprobs is not None) + p.n * p.max_tokens + 1
+        send, self._receive = anyio.create_memory_object_stream[Event](room)
         try:
             await engine._submit.tell(Submit(request.request_id, prompt_ids, request.params, send))
         except ActorFailed:

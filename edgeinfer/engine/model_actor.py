@@ -4,9 +4,10 @@ Writers: the actor's worker thread is the one writer of the KV pool (through the
 forward and `copy_blocks`) and of the sampler's random generator. A StepPlan arrives by value;
 the actor copies the blocks it names, runs one forward over every chunk, and for the rows that
 ask for it samples a token (n tokens for an n > 1 request's first sample), verifies prompt-lookup
-drafts (accepted drafts plus one token) or lists a beam's best next tokens, and replies a
-StepResult by value. A sampling stage that raises is retried row by row, so only the requests
-whose rows fail alone are failed (StepResult.failed); a failing forward fails the whole step,
+drafts (accepted drafts plus one token) or lists a beam's best next tokens, scores the prompt
+tokens a prefill chunk names (SeqStep.prompt_logprob_ids), and replies a StepResult by value.
+A sampling stage that raises is retried row by row, so only the requests whose rows fail alone
+are failed (StepResult.failed); a failing forward fails the whole step,
 which the engine's supervisor answers by restarting this actor (`restarted()`). Steps run one
 at a time on the engine's compute thread (`compute_thread`: the one thread that also built the
 model, for OpenMP's sake; CUDA's current device, streams and graphs are per-thread state too),
@@ -30,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import torch
 
-from edgeinfer.core.messages import StepPlan, StepResult
+from edgeinfer.core.messages import PromptScores, SeqStep, StepPlan, StepResult
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.draft_model import DraftModel
 from edgeinfer.worker.model_runner import ModelRunner
@@ -137,17 +138,18 @@ class ModelActor:
         if self.draft is not None and any(s.draft_feed for s in plan.seqs):
             proposed, draft_probs = self.draft.propose(list(plan.seqs), self._generator)
             drafts = dict(zip([i for i, s in enumerate(plan.seqs) if s.model_drafts], proposed, strict=True))
-        # Logits for each chunk's last token, and for every draft position of a chunk with drafts;
-        # rows of unfinished prefill chunks are dropped.
-        chunks = [SeqChunk(s.token_ids + drafts.get(i, ()), s.start_pos, s.block_table, num_logits=1 + s.num_drafts)
+        # Logits for each chunk's last token, for every draft position of a chunk with drafts, and
+        # for the positions that score prompt tokens; rows of unfinished prefill chunks are dropped.
+        chunks = [SeqChunk(s.token_ids + drafts.get(i, ()), s.start_pos, s.block_table, num_logits=_num_logits(s))
                   for i, s in enumerate(plan.seqs)]
         logits = self.runner.logits(chunks)
         ends = list(accumulate(c.num_logits for c in chunks))  # each chunk's last logits row + 1
+        prompt_scores, prompt_failed = self._prompt_logprobs(plan, logits, ends)
         plain = [i for i, s in enumerate(plan.seqs) if s.sample and not s.num_drafts and not s.beam_candidates]
         drafted = [i for i, s in enumerate(plan.seqs) if s.sample and s.num_drafts]
         beams = [i for i, s in enumerate(plan.seqs) if s.sample and s.beam_candidates]
         if not plain and not drafted and not beams:
-            return StepResult(plan.step_id, (), ())
+            return StepResult(plan.step_id, (), (), failed=prompt_failed, prompt_logprobs=prompt_scores)
         rows: dict[int, list[tuple[tuple[int, ...], float, tuple]]] = {}  # seq index -> (tokens, logprob, top)
         failed: dict[int, str] = {}  # seq id -> why its row failed
         self._contained(plan, plain, rows, failed, lambda idx, out: self._sample_plain(
@@ -164,7 +166,39 @@ class ModelActor:
         logprobs = tuple(lp for _, (_, lp, _) in order) if wants_logprobs else None
         top = tuple(t for _, (_, _, t) in order) if wants_logprobs else None
         return StepResult(plan.step_id, seq_ids, token_ids, logprobs, top, num_emitted,
-                          failed=tuple(failed.items()))
+                          failed=tuple(failed.items()) + prompt_failed, prompt_logprobs=prompt_scores)
+
+    def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor,
+                         ends: list[int]) -> tuple[tuple[PromptScores, ...], tuple[tuple[int, str], ...]]:
+        """The scores of every row's SeqStep.prompt_logprob_ids, and the rows that failed."""
+        asking = [i for i, s in enumerate(plan.seqs) if s.prompt_logprob_ids]
+        if not asking:
+            return (), ()
+        rows: dict[int, list] = {}
+        failed: dict[int, str] = {}
+        self._contained(plan, asking, rows, failed, lambda idx, out: self._score_prompt(plan, idx, logits, ends, out))
+        return tuple(rows[i][0] for i in asking if i in rows), tuple(failed.items())
+
+    @staticmethod
+    def _score_prompt(plan: StepPlan, indices: list[int], logits: torch.Tensor, ends: list[int],
+                      rows: dict[int, list]) -> None:
+        """log_softmax of the raw logits (as vLLM's prompt_logprobs: no sampling parameter applies),
+        at each position before a scored token, as the logit minus the row's logsumexp: no second
+        (tokens, vocab) tensor beside the logits."""
+        for i in indices:
+            s = plan.seqs[i]
+            last = ends[i] - s.sample  # a sampled row's last logits row predicts the first output token
+            scores = logits[last - len(s.prompt_logprob_ids):last]  # (tokens, vocab), a view
+            lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            targets = torch.tensor(s.prompt_logprob_ids, device=scores.device)[:, None]
+            chosen = (scores.gather(-1, targets) - lse).squeeze(-1).tolist()
+            k = min(s.params.prompt_logprobs or 0, scores.shape[-1])
+            top: tuple = ()
+            if k:
+                top_lps, top_ids = scores.topk(k, dim=-1)
+                top = tuple(tuple(zip(ids, lps, strict=True))
+                            for ids, lps in zip(top_ids.tolist(), (top_lps - lse).tolist(), strict=True))
+            rows[i] = [PromptScores(s.seq_id, tuple(chosen), top)]
 
     def _contained(self, plan: StepPlan, indices: list[int], rows: dict[int, list], failed: dict[int, str],
                    stage: Callable[[list[int], dict[int, list]], None]) -> None:
@@ -261,3 +295,12 @@ class ModelActor:
             token_ids, emitted = verify_sampled(draft_ids, num_drafts, probs, q, uniforms)
         for i, ids, n in zip(indices, token_ids.tolist(), emitted.tolist(), strict=True):
             rows[i] = [(tuple(ids[:n]), 0.0, ())]
+
+
+def _num_logits(s: SeqStep) -> int:
+    """Logits rows a step needs of one sequence: its last position's (sampled, or a prefill chunk's
+    and dropped) and every draft position's; or, when it scores prompt tokens, the positions before
+    them (the chunk's last ones, or those just before its sampled last one) and a sampled one."""
+    if s.prompt_logprob_ids:
+        return len(s.prompt_logprob_ids) + s.sample
+    return 1 + s.num_drafts

@@ -26,6 +26,8 @@ def test_defaults_are_valid_and_not_greedy():
     ({"logit_bias": {-1: 1}}, ["logit_bias", "-1"]),
     ({"n": 0}, ["n", "0"]),
     ({"logprobs": 21}, ["logprobs", "21"]),
+    ({"prompt_logprobs": -1}, ["prompt_logprobs", "-1"]),
+    ({"prompt_logprobs": 21}, ["prompt_logprobs", "21"]),
     ({"max_tokens": 0}, ["max_tokens", "0"]),
     ({"min_tokens": 10, "max_tokens": 5}, ["min_tokens", "10", "max_tokens=5"]),
     ({"stop": [""]}, ["stop"]),
@@ -59,8 +61,8 @@ def test_invalid_params_is_a_value_error():
 def test_to_dict_round_trips_through_msgpack():
     params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                             frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={7: -100, 3: 2.5},
-                            seed=1234, n=2, logprobs=5, max_tokens=64, min_tokens=3, stop=["\n\n", "END"],
-                            stop_token_ids=[9], ignore_eos=True)
+                            seed=1234, n=2, logprobs=5, prompt_logprobs=2, max_tokens=64, min_tokens=3,
+                            stop=["\n\n", "END"], stop_token_ids=[9], ignore_eos=True)
     wire = msgpack.unpackb(msgpack.packb(params.to_dict()))  # default strict_map_key: str keys
     assert SamplingParams.from_dict(wire) == params
     assert params.logit_bias == ((3, 2.5), (7, -100.0))

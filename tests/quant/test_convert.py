@@ -167,6 +167,9 @@ def test_cli_eval_ppl(tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     )
     out = capsys.readouterr().out
     assert "perplexity" in out and "98 tokens in 2 windows" in out
+    text.write_text("to be or not to be, that is the question. " * 40)
+    assert eval_ppl_main([str(dst), "--text", str(text), "--tokens", "300", "--window", "300"]) == 2
+    assert "prompt_too_long" in capsys.readouterr().err  # the tiny model's context is 256 tokens
 
 
 _KILL_SCRIPT = """

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.core.events import Accepted, Error, Finished, Token, TokenLogprob, Usage
+from edgeinfer.core.events import Accepted, Error, Finished, PromptLogprobs, Token, TokenLogprob, Usage
 from transport import protocol as wire
 
 MAX = 1 << 16
@@ -86,6 +86,26 @@ def test_bad_frames_name_the_problem(frame, code, words):
     err = error_of(frame)
     assert err.code == code
     assert words in err.message
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2**70, 1.0, "3", True, [2], {}])
+def test_bad_prompt_logprobs_are_invalid_params_naming_the_field(value):
+    err = error_of({"type": "generate", "id": "p", "prompt": "a", "params": {"prompt_logprobs": value}})
+    assert (err.code, err.request_id) == ("invalid_params", "p")
+    assert "prompt_logprobs" in err.message
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_prompt_logprobs_parse_and_their_event_encodes(binary):
+    for value in (None, 0, 20):
+        gen = parse({"type": "generate", "id": "a", "prompt": "Hi", "params": {"prompt_logprobs": value}}, binary)
+        assert gen.params.prompt_logprobs == value
+    event = PromptLogprobs("engine-id", (TokenLogprob(7, -1.5, ((3, -0.25), (7, -1.5))),
+                                         TokenLogprob(2, float("-inf"), ())))
+    back = wire.decode_event(wire.encode(wire.event_to_wire(event, "mine"), binary))
+    assert back == {"type": "prompt_logprobs", "id": "mine", "logprobs": [
+        {"token_id": 7, "logprob": -1.5, "top": [[3, -0.25], [7, -1.5]]},
+        {"token_id": 2, "logprob": float("-inf") if binary else None, "top": []}]}  # JSON has no -inf
 
 
 def test_errors_after_the_id_carry_the_request_id():

@@ -133,12 +133,14 @@ def test_cancel_races_end_every_request_exactly_once(live: LiveServer) -> None:
 
 
 @pytest.mark.parametrize("params", [
-    {"n": 16, "logprobs": 20, "max_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True},
+    {"n": 16, "logprobs": 20, "prompt_logprobs": 20, "max_tokens": 24, "temperature": 1.0, "seed": 3,
+     "ignore_eos": True},
     {"beam_width": 16, "n": 16, "max_tokens": 12},
 ])
 def test_the_widest_requests_finish(live: LiveServer, params: dict) -> None:
     """n x logprobs and beam_width x n at their limits used to overflow the request's event
-    stream and be reported as engine_closed: every choice arrives, then one done."""
+    stream and be reported as engine_closed: every choice arrives, then one done (and the prompt's
+    scores, once, before the first token)."""
     async def main() -> None:
         ws = await open_client(live.url)
         await send(ws, {"type": "generate", "id": "wide", "prompt": "List some colours:", "params": params})
@@ -152,6 +154,10 @@ def test_the_widest_requests_finish(live: LiveServer, params: dict) -> None:
             tokens = [f for f in frames if f["type"] == "token"]
             assert sum(len(f["token_ids"]) for f in tokens) == 16 * 24
             assert all(len(lp["top"]) == 20 for f in tokens for lp in f["logprobs"])
+            assert [f["type"] for f in frames[:2]] == ["accepted", "prompt_logprobs"]
+            assert sum(f["type"] == "prompt_logprobs" for f in frames) == 1
+            assert len(frames[1]["logprobs"]) == frames[0]["prompt_tokens"] - 1
+            assert all(len(lp["top"]) == 20 for lp in frames[1]["logprobs"])
         await ws.close()
         await assert_engine_idle(live)
 
@@ -353,8 +359,8 @@ DOCUMENTED_CODES = {"bad_frame", "frame_too_large", "unknown_type", "unknown_fie
                     "invalid_params", "duplicate_id", "unknown_id", "too_many_requests", "prompt_too_long",
                     "overloaded", "slow_reader"}
 PARAM_NAMES = ["temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "logit_bias", "seed", "n", "logprobs", "max_tokens", "min_tokens",
-               "stop", "stop_token_ids", "ignore_eos", "beam_width", "length_penalty", "early_stopping"]
+               "repetition_penalty", "logit_bias", "seed", "n", "logprobs", "prompt_logprobs", "max_tokens",
+               "min_tokens", "stop", "stop_token_ids", "ignore_eos", "beam_width", "length_penalty", "early_stopping"]
 
 
 class Deep:
@@ -461,7 +467,7 @@ def test_fuzzed_frames_get_documented_answers_from_the_real_engine(live: LiveSer
         assert answers[-1]["code"] == "unknown_id" and answers[-2]["type"] == "status", answers[-2:]
         answers.pop()
         for answer in answers[:-1]:
-            assert answer["type"] in ("accepted", "token", "done", "error", "status"), answer
+            assert answer["type"] in ("accepted", "prompt_logprobs", "token", "done", "error", "status"), answer
             assert answer["type"] != "error" or answer["code"] in DOCUMENTED_CODES, answer
         # A frame that started a request: cancel it and see it end, freeing the id.
         open_ids = {row["id"] for row in answers[-1]["requests"]}
