@@ -3,7 +3,7 @@ their drafts take, what the draft model must be fed, and what a verified step le
 
 Two drafters (SchedulerConfig.speculative). "ngram": prompt lookup here, the ids ride in
 SeqStep.draft_ids. "draft": a draft model in the worker drafts SeqStep.model_drafts tokens; its
-KV pool shares the target's block tables, and SeqState.draft_computed counts the leading positions
+KV pool shares the target's block tables, and SeqState.spec.draft_computed counts the leading positions
 it holds. It is fed each prompt chunk beside the target, and at a drafting step everything from
 draft_computed to the newest token (what it missed while the batch was too wide to draft). That
 catch-up is capped at max_num_batched_tokens tokens: positions skipped, like positions a prefix
@@ -40,23 +40,23 @@ class SpeculationMixin:
         slots reserved; none while the batch is wide or no free block is left for them."""
         tokens = seq.token_ids
         if (not self._may_draft(seq) or len(self.running) > self.config.speculate_max_seqs
-                or seq.num_computed != len(tokens) - 1):
+                or seq.kv.num_computed != len(tokens) - 1):
             return (), 0
         p = seq.params
-        limit = min(seq.draft_k.k, self.config.max_draft_tokens, budget,
+        limit = min(seq.spec.draft_k.k, self.config.max_draft_tokens, budget,
                     seq.max_len - len(tokens) - 1, p.max_tokens - len(seq.output_ids) - 1)
         if limit <= 0:
             return (), 0
         ids = propose_ngram(tokens, limit, ngram_min=PROMPT_LOOKUP_NGRAM_MIN) if self.config.speculative == "ngram" \
             else []
         num = len(ids) if self.config.speculative == "ngram" else limit
-        need = len(tokens) + num - seq.num_slots
+        need = len(tokens) + num - seq.kv.num_slots
         if num and need > 0:
             appended = self.block_manager.append_slots(seq.seq_id, need)  # None: no room, no drafts
             if appended is None:
                 return (), 0
-            seq.block_table = appended.block_ids
-            seq.num_slots += need
+            seq.kv.block_table = appended.block_ids
+            seq.kv.num_slots += need
             if appended.copy is not None:
                 copies.append((appended.copy.src_block_id, appended.copy.dst_block_id))
         return tuple(ids), (0 if ids else num)
@@ -68,7 +68,7 @@ class SpeculationMixin:
             return (), 0
         tokens = seq.token_ids
         if model_drafts:
-            first = max(seq.draft_computed, len(tokens) - self.config.max_num_batched_tokens)
+            first = max(seq.spec.draft_computed, len(tokens) - self.config.max_num_batched_tokens)
             return tuple(tokens[first:]), first
         if start < len(tokens) - 1:  # a prompt (or recompute) chunk, not a decode
             return tuple(tokens[start:start + num_new]), start
@@ -78,11 +78,11 @@ class SpeculationMixin:
         """A drafted step: the accepted drafts and the sampled token, K/V valid up to the last
         accepted draft (in the draft pool too, except a last draft, which it was never fed)."""
         num_accepted = len(tokens) - 1
-        seq.draft_k = seq.draft_k.update(step.num_drafts, num_accepted)
-        seq.num_computed = step.start_pos + 1 + num_accepted
+        seq.spec.draft_k = seq.spec.draft_k.update(step.num_drafts, num_accepted)
+        seq.kv.num_computed = step.start_pos + 1 + num_accepted
         if step.model_drafts:
-            seq.draft_computed = step.draft_start + len(step.draft_feed) + min(num_accepted, step.model_drafts - 1)
+            seq.spec.draft_computed = step.draft_start + len(step.draft_feed) + min(num_accepted, step.model_drafts - 1)
         events = self._emit_tokens(seq, tokens, now, None)
         if seq.seq_id in self._by_seq:  # still running: its verified full blocks become shareable
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.kv.num_computed)
         return events

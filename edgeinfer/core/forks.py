@@ -50,12 +50,13 @@ class ForkMixin:
                          parent.arrival_s, parent.detokenizer, parent.stop, beam=parent.beam,
                          output_ids=list(tokens))
         self._next_seq_id += 1
-        child.num_cached_tokens, child.first_scheduled_s = parent.num_cached_tokens, parent.first_scheduled_s
+        child.kv.num_cached_tokens = parent.kv.num_cached_tokens
+        child.times.first_scheduled_s = parent.times.first_scheduled_s
         self._by_seq[child.seq_id] = child
-        if parent.num_slots:
-            child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
-            child.draft_computed = parent.draft_computed
+        if parent.kv.num_slots:
+            child.kv.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
+            child.kv.num_computed, child.kv.num_slots = parent.kv.num_computed, parent.kv.num_slots
+            child.spec.draft_computed = parent.spec.draft_computed
             self.running.append(child)
         else:
             self.waiting.appendleft(child)
@@ -91,10 +92,11 @@ class ForkMixin:
                          parent.arrival_s, self._make_detokenizer(), StopChecker(parent.params, self.eos_token_ids),
                          index=index)
         self._next_seq_id += 1
-        child.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
-        child.num_computed, child.num_slots = parent.num_computed, parent.num_slots
-        child.draft_computed = parent.draft_computed
-        child.num_cached_tokens, child.first_scheduled_s = parent.num_cached_tokens, parent.first_scheduled_s
+        child.kv.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.kv.num_computed, child.kv.num_slots = parent.kv.num_computed, parent.kv.num_slots
+        child.spec.draft_computed = parent.spec.draft_computed
+        child.kv.num_cached_tokens = parent.kv.num_cached_tokens
+        child.times.first_scheduled_s = parent.times.first_scheduled_s
         parent.to_fork = 0
         self.running.append(child)
         self._by_request[parent.request_id].append(child)

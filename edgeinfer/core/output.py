@@ -28,9 +28,9 @@ class OutputMixin:
             if reason is not None:
                 break
         self.num_generated_tokens += len(taken)
-        if seq.first_token_s is None:
-            seq.first_token_s = now
-        seq.last_token_s = now
+        if seq.times.first_token_s is None:
+            seq.times.first_token_s = now
+        seq.times.last_token_s = now
         seq.text.append(text)
         events: list[Event] = [Token(seq.request_id, tuple(taken), text, now - seq.arrival_s, logprobs, seq.index)]
         if reason is not None:
@@ -48,27 +48,27 @@ class OutputMixin:
         if any(c.finish_reason is None for c in choices) or seq.to_fork:
             return None
         del self._by_request[seq.request_id]
-        firsts = [c.first_token_s for c in choices if c.first_token_s is not None]
-        lasts = [c.last_token_s for c in choices if c.last_token_s is not None]
+        firsts = [c.times.first_token_s for c in choices if c.times.first_token_s is not None]
+        lasts = [c.times.last_token_s for c in choices if c.times.last_token_s is not None]
         first, last = min(firsts, default=now), max(lasts, default=now)
         longest = max(len(c.output_ids) for c in choices)
         usage = Usage(
             prompt_tokens=len(seq.prompt_ids), completion_tokens=sum(len(c.output_ids) for c in choices),
-            cached_prompt_tokens=choices[0].num_cached_tokens,
-            queue_time_s=(choices[0].first_scheduled_s or now) - seq.arrival_s,
+            cached_prompt_tokens=choices[0].kv.num_cached_tokens,
+            queue_time_s=(choices[0].times.first_scheduled_s or now) - seq.arrival_s,
             ttft_s=first - seq.arrival_s, tpot_s=(last - first) / (longest - 1) if longest > 1 else 0.0,
             total_time_s=now - seq.arrival_s,
             # Shared prompt blocks count once per choice: an upper bound for n > 1.
-            peak_kv_bytes=sum(c.peak_blocks for c in choices) * self.block_size * self.bytes_per_token)
+            peak_kv_bytes=sum(c.kv.peak_blocks for c in choices) * self.block_size * self.bytes_per_token)
         listed = () if len(choices) == 1 else tuple(
             {"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason,
              "completion_tokens": len(c.output_ids)} for c in sorted(choices, key=lambda c: c.index))
         return Finished(seq.request_id, choices[0].finish_reason, usage, "".join(choices[0].text), listed)
 
     def _release(self, seq: SeqState) -> None:
-        if seq.num_slots:
+        if seq.kv.num_slots:
             self.block_manager.free(seq.seq_id)
-            seq.num_slots = 0
+            seq.kv.num_slots = 0
         self._by_seq.pop(seq.seq_id, None)
 
     def _logprobs(self, seq: SeqState, result: StepResult, row: int) -> tuple[TokenLogprob, ...] | None:

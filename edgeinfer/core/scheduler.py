@@ -129,7 +129,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
             if seq.beam is not None and seq.seq_id in seq.beam.reported:
                 i += 1  # waits for the rest of its group before it has a new token
                 continue
-            if seq.num_slots < len(seq.prompt_ids) + len(seq.output_ids):
+            if seq.kv.num_slots < len(seq.prompt_ids) + len(seq.output_ids):
                 fits, copy, did_preempt = self._append_or_preempt(seq)
                 preempted |= did_preempt
                 if not fits:
@@ -147,12 +147,12 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            seq.block_table = allocation.block_ids
-            seq.num_slots = len(seq.prompt_ids) + len(seq.output_ids)
-            seq.num_computed = seq.draft_computed = allocation.num_cached_tokens
-            if seq.first_scheduled_s is None:
-                seq.first_scheduled_s = self._clock()
-                seq.num_cached_tokens = allocation.num_cached_tokens
+            seq.kv.block_table = allocation.block_ids
+            seq.kv.num_slots = len(seq.prompt_ids) + len(seq.output_ids)
+            seq.kv.num_computed = seq.spec.draft_computed = allocation.num_cached_tokens
+            if seq.times.first_scheduled_s is None:
+                seq.times.first_scheduled_s = self._clock()
+                seq.kv.num_cached_tokens = allocation.num_cached_tokens
             steps.append(self._step(seq, budget))
             budget -= len(steps[-1].token_ids)
         self._next_step_id += 1
@@ -186,14 +186,14 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
     def _apply(self, seq: SeqState, step: SeqStep, result: StepResult, rows: dict[int, int],
                row_tokens: list[tuple[int, ...]], now: float) -> list[Event]:
         """One sequence's share of a step's result."""
-        seq.peak_blocks = max(seq.peak_blocks, len(seq.block_table))
+        seq.kv.peak_blocks = max(seq.kv.peak_blocks, len(seq.kv.block_table))
         events = gather_prompt_logprobs(seq, step, result) if seq.prompt_logprobs is not None else []
         if step.num_drafts:  # (a prompt's last token may carry drafts)
             return events + self._emit_verified(seq, step, row_tokens[rows[seq.seq_id]], now)
         if step.draft_feed:
-            seq.draft_computed = step.draft_start + len(step.draft_feed)
-        seq.num_computed = step.start_pos + len(step.token_ids)
-        self.block_manager.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            seq.spec.draft_computed = step.draft_start + len(step.draft_feed)
+        seq.kv.num_computed = step.start_pos + len(step.token_ids)
+        self.block_manager.commit(seq.seq_id, seq.token_ids, seq.kv.num_computed)
         if not step.sample:
             return events
         if step.beam_candidates:
@@ -235,7 +235,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
 
     def _step(self, seq: SeqState, budget: int, drafts: tuple[int, ...] = (), model_drafts: int = 0) -> SeqStep:
         token_ids = seq.token_ids
-        start = seq.num_computed
+        start = seq.kv.num_computed
         new = tuple(token_ids[start:start + budget])
         chunk = new + drafts
         sample = start + len(new) == len(token_ids)
@@ -244,26 +244,26 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
         scored = prompt_logprob_ids(seq, start, start + len(new)) if seq.prompt_logprobs is not None else ()
         feed, feed_start = self._draft_feed(seq, start, len(new), model_drafts)
-        return SeqStep(seq.seq_id, chunk, start, seq.block_table, sample, seq.params,
+        return SeqStep(seq.seq_id, chunk, start, seq.kv.block_table, sample, seq.params,
                        tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
                        drafts, beam_candidates, feed, feed_start, model_drafts, prompt_logprob_ids=scored)
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.
         Returns (seq still runs, copy-on-write orders, whether anything was preempted)."""
-        num_new = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_slots
+        num_new = len(seq.prompt_ids) + len(seq.output_ids) - seq.kv.num_slots
         preempted = False
         while True:
             appended = self.block_manager.append_slots(seq.seq_id, num_new)
             if appended is not None:
-                seq.block_table = appended.block_ids
-                seq.num_slots += num_new
+                seq.kv.block_table = appended.block_ids
+                seq.kv.num_slots += num_new
                 copy = [(appended.copy.src_block_id, appended.copy.dst_block_id)] if appended.copy else []
                 return True, copy, preempted
             victim = self.running.pop()
             self.block_manager.free(victim.seq_id)
-            victim.num_computed = victim.num_slots = victim.draft_computed = 0
-            victim.block_table = ()
+            victim.kv.num_computed = victim.kv.num_slots = victim.spec.draft_computed = 0
+            victim.kv.block_table = ()
             self.waiting.appendleft(victim)
             self.num_preemptions += 1
             preempted = True

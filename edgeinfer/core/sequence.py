@@ -31,7 +31,40 @@ class BeamGroup:
 
 
 @dataclass
+class KVState:
+    """Where a sequence's K/V stands: written by the scheduler's batching and preemption, with
+    the block manager's answers."""
+
+    block_table: tuple[int, ...] = ()
+    num_slots: int = 0  # token slots the block manager holds for it (0: no blocks)
+    num_computed: int = 0  # leading tokens whose K/V is in the pool
+    num_cached_tokens: int = 0  # prefix-cache hits at first admission
+    peak_blocks: int = 0
+
+
+@dataclass
+class SpecState:
+    """Speculative decoding's per-sequence state (edgeinfer.core.drafting)."""
+
+    draft_k: AdaptiveK = field(default_factory=AdaptiveK)  # draft length from the acceptance rate
+    draft_computed: int = 0  # leading positions the draft model's pool holds
+
+
+@dataclass
+class Timing:
+    """When the sequence was first scheduled and produced tokens (the request's usage)."""
+
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+
+@dataclass
 class SeqState:
+    """One running choice or beam. The request's identity is fixed at admission; the output
+    fields belong to output.py (tokens through the stop checker and detokenizer), the fork
+    fields to forks.py, and each stage's counters to its group: kv, spec, times."""
+
     seq_id: int
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -41,24 +74,17 @@ class SeqState:
     detokenizer: Detokenizer
     stop: StopChecker
     index: int = 0  # choice index (n > 1)
-    draft_k: AdaptiveK = field(default_factory=AdaptiveK)  # speculative draft length
-    to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
-    finish_reason: str | None = None
-    beam: BeamGroup | None = None
     output_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
     # Prompt tokens scored so far, in order from the second, until the prompt's last step sends
     # them (edgeinfer.core.prompt_logprobs); None: not asked for, or already sent.
     prompt_logprobs: list[TokenLogprob] | None = None
-    num_computed: int = 0  # leading tokens whose K/V is in the pool
-    num_slots: int = 0  # token slots the block manager holds for it (0: no blocks)
-    draft_computed: int = 0  # leading positions the draft model's pool holds (edgeinfer.core.drafting)
-    block_table: tuple[int, ...] = ()
-    num_cached_tokens: int = 0  # prefix-cache hits at first admission
-    peak_blocks: int = 0
-    first_scheduled_s: float | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
+    to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
+    beam: BeamGroup | None = None
+    kv: KVState = field(default_factory=KVState)
+    spec: SpecState = field(default_factory=SpecState)
+    times: Timing = field(default_factory=Timing)
 
     @property
     def token_ids(self) -> list[int]:
