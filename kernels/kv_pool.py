@@ -128,12 +128,12 @@ class KVPool:
         k: torch.Tensor,
         v: torch.Tensor,
         slot_mapping: torch.Tensor,
-        use_triton: bool | None = None,
+        use_triton: bool = False,
     ) -> None:
         """Quantize new keys and values (T, num_kv_heads, head_dim) into slots (T,) of ``layer``.
 
-        A negative slot skips that token (padding). Triton on CUDA, torch otherwise;
-        ``use_triton=True`` forces the kernel (interpreter tests).
+        A negative slot skips that token (padding). ``use_triton`` (kernels.dispatch.Backend.triton)
+        runs the Triton kernel, else torch.
         """
         self._check_layer(layer)
         expected = (self.num_kv_heads, self.head_dim)
@@ -144,8 +144,6 @@ class KVPool:
         if k.shape[0] != v.shape[0] or slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"write: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
                              f"{tuple(slot_mapping.shape)} must agree on T")
-        if use_triton is None:
-            use_triton = self.device.type == "cuda"
         if use_triton:
             from kernels.paged_attention_triton import write_kv_cache
 

@@ -94,13 +94,14 @@ def eval_ppl_main(argv: list[str]) -> int:
     from edgeinfer.models.llama import LlamaModel
     from edgeinfer.models.loader import load_model
     from edgeinfer.worker.kv_calibration import calibration_ids
+    from kernels.dispatch import choose_backend
     from quant.perplexity import perplexity, text_tokens
 
     args = _ppl_parser().parse_args(argv)
     try:
         start = time.perf_counter()
         loaded = load_model(args.model)
-        model = LlamaModel(loaded.config, loaded.weights, linear_path=args.linear_path,
+        model = LlamaModel(loaded.config, loaded.weights, choose_backend(args.linear_path),
                            kv_calibration_ids=calibration_ids(loaded.tokenizer))
         token_ids = text_tokens(loaded.tokenizer, args.text, args.tokens)
         result = perplexity(model, token_ids, window=args.window, kv_dtype=args.kv_dtype)

@@ -1,9 +1,10 @@
 """Llama-family forward pass in plain torch over a paged KV cache.
 
-Owns the prepared weights (converted once at construction through kernels.dispatch) and the
-RoPE tables. It reads and writes only the KV pool it is handed; it decides nothing about which
-sequences run. A step is a flattened, variable-length batch (BatchMeta): T new tokens from S
-sequences, each sequence's new tokens sitting at the end of its context.
+Owns the prepared weights (converted once at construction through kernels.dispatch, for the
+kernels.dispatch.Backend it is given, whose flags it hands to the kernels) and the RoPE tables.
+It reads and writes only the KV pool it is handed; it decides nothing about which sequences
+run. A step is a flattened, variable-length batch (BatchMeta): T new tokens from S sequences,
+each sequence's new tokens sitting at the end of its context.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import torch.nn.functional as F
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.host_memory import trim_heap
 from kernels import cpu_ops
-from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
+from kernels.dispatch import Backend, PreparedLinear, choose_backend, linear, prepare_linear, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from quant.formats import QuantizedTensor, concat_rows, quantize_int4
-from quant.gguf_import import FileRows, LazyWeights
+from quant.gguf_import import FileRows, LazyWeights, RowReader
 
 Weight = torch.Tensor | QuantizedTensor
 
@@ -68,13 +69,6 @@ def _fuse(weights: list[Weight], dense_dtype: torch.dtype) -> Weight:
 
 
 HEAD_REFINE_ROWS = 64
-# CPU steps of up to this many tokens (decode rows, prompt chunks, verify steps) run as one
-# decode_layers call. Its int4 kernel stays within ~10% of dequantize + fp32 GEMM per linear up
-# to 128 rows (tools measurement in kernels.dispatch); the per-op forward it replaces cost 2x at
-# 48 decode rows (394 vs 191 ms per step) and, for 64-token prompt chunks, ran a 256-token prompt
-# at 249-266 tok/s against 338-414 (1024 tokens: 172-179 vs 219-286) with ~10 MB more peak RSS:
-# its activations went through torch's allocator op by op; larger steps were not measured.
-FUSED_STEP_MAX_TOKENS = 128
 # KV formats the fused step writes and reads (K and V in one format; mixed ones take the per-op
 # forward).
 FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
@@ -97,26 +91,27 @@ class LlamaModel:
         self,
         config: ModelConfig,
         weights: dict[str, Weight],
-        linear_path: str = "auto",
-        device: str | torch.device = "cpu",
+        backend: Backend | None = None,
         head_format: str = "same",
         take_weights: bool = False,
         kv_calibration_ids: Sequence[int] = (),
     ) -> None:
-        """``take_weights`` pops each tensor from ``weights`` once converted, so the caller's dict
+        """``backend``: the kernels it runs (kernels.dispatch.choose_backend; None: its choice for
+        the CPU). ``take_weights`` pops each tensor from ``weights`` once converted, so the caller's dict
         does not hold a second copy of the model while the prepared one is built.
         ``kv_calibration_ids``: tokens whose mean keys centre quantized key caches
         (measured by edgeinfer.worker.kv_calibration.prepare_quantized_kv; none: keys not centred)."""
         if head_format not in ("same", "int4"):
             raise ValueError(f"head_format must be 'same' or 'int4', got {head_format!r}")
         self.config = config
-        self.device = torch.device(device)
-        self.linear_path = resolve_path(linear_path, self.device)
+        self.backend = backend or choose_backend()
+        self.device = self.backend.device
         c = config
-        prep = lambda w: prepare_linear(w, self.linear_path, self.device)  # noqa: E731
+        prep = lambda w: prepare_linear(w, self.backend)  # noqa: E731
         get = weights.pop if take_weights else weights.__getitem__
+        self._read_rows = cpu_ops.read_rows if self.backend.cpu_ops else None  # FileRows' reader
         # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
-        dense_dtype = torch.bfloat16 if self.linear_path == "int4_cpu" else torch.float32
+        dense_dtype = torch.bfloat16 if self.backend.linear_path == "int4_cpu" else torch.float32
         fuse = lambda parts: _fuse(parts, dense_dtype)  # noqa: E731
         # The head first: its int4 copy's build transient (~20 MB) then lands before the layers'
         # weights do, below the model's final size.
@@ -133,7 +128,7 @@ class LlamaModel:
         # read) loses to int4 + refinement (1.2-1.3 ms, 18 MB read) by more than the 17 MB it saves.
         if head_format == "int4" and _format(head) != "int4":
             self._head_exact = head.to(self.device, torch.float32) if isinstance(head, torch.Tensor) else head
-            head = _quantize_head_int4(head)
+            head = _quantize_head_int4(head, self._read_rows)
         elif isinstance(head, FileRows):
             head = head.load()
         self.head = prep(head)
@@ -164,17 +159,29 @@ class LlamaModel:
         self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
         self.kv_calibration_ids = tuple(kv_calibration_ids)
         # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
-        self._cpu_norm = self.device.type == "cpu" and cpu_ops.available()
+        self._cpu_norm = self.backend.cpu_ops
         self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
         self._fused_weights, self._fused_group = self._fused_step_weights()
-        # Steps run as one C++ call for all layers where the weights allow it (see
-        # _fused_step_weights); tests turn this off to compare with the per-op forward.
-        self.fused_steps = self._fused_weights is not None
+
+    @property
+    def linear_path(self) -> str:
+        return self.backend.linear_path
+
+    @property
+    def fused_steps(self) -> bool:
+        """Whether steps can run as one C++ call for all layers (see _fused_step_weights)."""
+        return self._fused_weights is not None
+
+    def runs_fused(self, num_tokens: int, kv: KVPool) -> bool:
+        """Whether ``forward`` runs a step of ``num_tokens`` tokens over ``kv`` as that one call:
+        within the backend's bound, K and V in one format."""
+        return self._fused_weights is not None and num_tokens <= self.backend.fused_step_max_tokens and \
+            kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES
 
     def _fused_step_weights(self) -> tuple[list[torch.Tensor] | None, int]:
-        """decode_layers' weight list when every linear runs the AVX2 int4 kernel with one group
-        size (the CPU fast path on int4 checkpoints), else (None, 0)."""
-        if self.device.type != "cpu" or not cpu_ops.available():
+        """decode_layers' weight list when the backend runs fused steps and every linear runs the
+        AVX2 int4 kernel with one group size (the CPU fast path on int4 checkpoints), else (None, 0)."""
+        if not self.backend.fused_step_max_tokens:
             return None, 0
         kernels = [w.kernel for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not all(isinstance(k, cpu_ops.CpuInt4Weight) for k in kernels):
@@ -208,14 +215,14 @@ class LlamaModel:
         return cos.float().to(self.device), signed_sin.float().to(self.device)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return _rows(self.embed, token_ids)
+        return _rows(self.embed, token_ids, self._read_rows)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         logits = linear(h, self.head).float()
         if self._head_exact is None:
             return logits
         top = logits.topk(min(HEAD_REFINE_ROWS, logits.shape[-1]), dim=-1).indices  # (L, R)
-        rows = _rows(self._head_exact, top.flatten()).view(*top.shape, -1)  # (L, R, hidden)
+        rows = _rows(self._head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)  # (L, R, hidden)
         exact = torch.einsum("lh,lrh->lr", h.float(), rows)
         return logits.scatter_(-1, top, exact)
 
@@ -259,8 +266,7 @@ class LlamaModel:
         c = self.config
         num_tokens = token_ids.shape[0]
         self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
-        if self.fused_steps and key_sink is None and num_tokens <= FUSED_STEP_MAX_TOKENS and \
-                kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES:
+        if key_sink is None and self.runs_fused(num_tokens, kv):
             return self._fused_step(token_ids, batch, kv)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
@@ -272,6 +278,7 @@ class LlamaModel:
         # together, v turns in and the attention output turns back.
         rotate_k = kv.k_dtype not in PLAIN_DTYPES
         rotate_v = kv.v_dtype not in PLAIN_DTYPES
+        use_triton, use_cpu_ops = self.backend.triton, self.backend.cpu_ops
         rot = self._kv_rotation
         centres = self.key_centres if rotate_k else None
         h = self.embed_tokens(token_ids)  # (T, hidden)
@@ -289,14 +296,14 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
             if rotate_v:
                 v = v.to(rot.dtype) @ rot  # v comes in the linear's dtype (bf16/fp16 on fast paths)
-            kv.write(index, k, v, batch.slot_mapping)
+            kv.write(index, k, v, batch.slot_mapping, use_triton=use_triton)
             if batch.is_decode:
                 attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
+                                              use_triton=use_triton, use_cpu_ops=use_cpu_ops,
                                               max_context_len=batch.max_context_len, seq_view=batch.seq_view)
             else:
-                attn = paged_prefill_attention(
-                    q, kv, index, batch.block_tables, batch.context_lens, batch.query_start_loc, scale
-                )
+                attn = paged_prefill_attention(q, kv, index, batch.block_tables, batch.context_lens,
+                                               batch.query_start_loc, scale, use_triton=use_triton)
             if rotate_v:
                 attn = attn @ rot.t()
             h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o, self._scratch)
@@ -313,7 +320,7 @@ def _format(weight: Weight | FileRows) -> str | None:
     return None if isinstance(weight, torch.Tensor) else weight.format
 
 
-def _quantize_head_int4(head: Weight | FileRows, chunk: int = 1024) -> QuantizedTensor:
+def _quantize_head_int4(head: Weight | FileRows, read_rows: RowReader | None, chunk: int = 1024) -> QuantizedTensor:
     """int4 group-32 round-to-nearest copy of the head for the coarse pass, fp16 scales and mins
     (20 instead of 24 bytes per 32 weights read per token). Row blocks go straight into the
     final buffers: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB, and
@@ -323,17 +330,18 @@ def _quantize_head_int4(head: Weight | FileRows, chunk: int = 1024) -> Quantized
     out = QuantizedTensor("int4", (n, k), 32, torch.empty(n, k // 2, dtype=torch.uint8),
                           torch.empty(n, k // 32, dtype=torch.float16), torch.empty(n, k // 32, dtype=torch.float16))
     for lo in range(0, n, chunk):
-        part = quantize_int4(_rows(head, torch.arange(lo, min(lo + chunk, n))), 32)
+        part = quantize_int4(_rows(head, torch.arange(lo, min(lo + chunk, n)), read_rows), 32)
         out.qweight[lo:lo + chunk] = part.qweight
         out.scales[lo:lo + chunk] = part.scales
         out.mins[lo:lo + chunk] = part.mins
     return out
 
 
-def _rows(weight: Weight | FileRows, row_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 rows of a (possibly quantized) matrix: embedding lookup and head refinement."""
+def _rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: RowReader | None) -> torch.Tensor:
+    """fp32 rows of a (possibly quantized) matrix: embedding lookup and head refinement;
+    ``read_rows``: the C++ reader of a file's rows (None: FileRows' Python path)."""
     if isinstance(weight, FileRows):
-        return weight.read(row_ids, cpu_ops.read_rows if cpu_ops.available() else None)
+        return weight.read(row_ids, read_rows)
     if not isinstance(weight, QuantizedTensor):
         return weight[row_ids].float()
     rows = QuantizedTensor(

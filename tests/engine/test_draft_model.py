@@ -17,6 +17,7 @@ from edgeinfer.worker.draft_model import DraftModel
 from edgeinfer.worker.llm import NGRAM, generate_tokens
 from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import SamplingBatch, sampling_probs
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 
 TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -25,7 +26,7 @@ TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_laye
 
 def runner(config: ModelConfig, seed: int, path: str = "reference", weights: str = "int8") -> ModelRunner:
     model = LlamaModel(config, dict(synthetic_model(config, weights, group_size=32, seed=seed).weights),
-                       linear_path=path)
+                       choose_backend(path))
     pool = KVPool(config.num_layers, 8, 16, config.num_kv_heads, config.head_dim, "fp32", "fp32")
     return ModelRunner(model, pool, 16)
 

@@ -11,6 +11,7 @@ from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.kv_calibration import prepare_quantized_kv
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import dequantize_kv, kv_rotation, quantize_kv
 
@@ -38,9 +39,9 @@ def logits(model: LlamaModel, kv_dtype: str, tokens: list[int], config: ModelCon
 def test_centring_and_rotation_leave_attention_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     weights = synthetic_model(TINY, "int8", group_size=32, seed=4).weights
     tokens = [int(t) for t in torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(1))]
-    plain = LlamaModel(TINY, dict(weights), linear_path="reference")
+    plain = LlamaModel(TINY, dict(weights), choose_backend("reference"))
     want = logits(plain, "fp32", tokens, TINY)
-    transformed = LlamaModel(TINY, dict(weights), linear_path="reference", kv_calibration_ids=tokens[::-1])
+    transformed = LlamaModel(TINY, dict(weights), choose_backend("reference"), kv_calibration_ids=tokens[::-1])
     # An fp32 cache treated as quantized: centring and rotation run, storage adds no error.
     monkeypatch.setattr(llama, "PLAIN_DTYPES", {})
     prepare_quantized_kv(transformed)
