@@ -174,9 +174,11 @@ class LlamaModel:
 
     def runs_fused(self, num_tokens: int, kv: KVPool) -> bool:
         """Whether ``forward`` runs a step of ``num_tokens`` tokens over ``kv`` as that one call:
-        within the backend's bound, K and V in one format."""
+        within the backend's bound, K and V in one format and transformed as that format asks
+        (the C++ step rotates quantized caches only)."""
         return self._fused_weights is not None and num_tokens <= self.backend.fused_step_max_tokens and \
-            kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES
+            kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES and \
+            kv.transform_k == (kv.k_dtype not in PLAIN_DTYPES)
 
     def _fused_step_weights(self) -> tuple[list[torch.Tensor] | None, int]:
         """decode_layers' weight list when the backend runs fused steps and every linear runs the
@@ -276,8 +278,7 @@ class LlamaModel:
         sin = self._sin[batch.positions].unsqueeze(1)
         # Quantized caches hold rotated vectors (kernels.kv_quant.kv_rotation): q and k turn
         # together, v turns in and the attention output turns back.
-        rotate_k = kv.k_dtype not in PLAIN_DTYPES
-        rotate_v = kv.v_dtype not in PLAIN_DTYPES
+        rotate_k, rotate_v = kv.transform_k, kv.transform_v
         use_triton, use_cpu_ops = self.backend.triton, self.backend.cpu_ops
         rot = self._kv_rotation
         centres = self.key_centres if rotate_k else None

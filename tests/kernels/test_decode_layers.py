@@ -234,3 +234,11 @@ def test_rope_tables_grow_with_the_contexts_seen_and_stop_at_the_model_context()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     grown._cover_positions(5000)
     assert grown._cos.shape[0] == grown._sin.shape[0] == config.max_position
+
+
+def test_a_plain_pool_that_asks_for_the_kv_transform_takes_the_per_op_forward(model: LlamaModel) -> None:
+    c = model.config
+    pools = [KVPool(c.num_layers, 4, BLOCK, c.num_kv_heads, c.head_dim, "fp32", "fp32", transform=transform)
+             for transform in (None, True)]
+    assert model.runs_fused(1, pools[0])
+    assert not model.runs_fused(1, pools[1])  # the C++ step rotates quantized caches only
