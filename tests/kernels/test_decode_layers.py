@@ -187,13 +187,13 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
     k = [cache.data for cache in pool.k_caches]
     v = [cache.data for cache in pool.v_caches]
 
-    def run(weights=model._fused_weights, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
+    def run(weights=model.weights.fused, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
             v_caches=v, **int8):
         cpu_ops.decode_layers(h, weights, 32, model._cos, model._sin, positions, k_caches, v_caches, slots,
                               batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5, **int8)
 
     with pytest.raises(RuntimeError, match="14 weights"):
-        run(weights=model._fused_weights[:-1])
+        run(weights=model.weights.fused[:-1])
     with pytest.raises(RuntimeError, match="outside the KV pool"):
         run(slots=torch.tensor([4 * BLOCK]))
     assert model._cos.shape[0] == c.max_position  # (the tables never pass the context)
