@@ -1,10 +1,16 @@
-"""The one dispatch point for linear layers: weight -> kernel-ready form (once, at load) -> matmul.
+"""The one dispatch point: the backend chosen once per model, and linear layers through it.
 
-Paths:
+``choose_backend`` turns the requested linear path and the device, with what this machine can
+run (the C++ CPU ops where they build), into a frozen ``Backend``; LlamaModel holds it and hands
+its flags down by argument (the attention entry points, KVPool.write). Nothing below it asks the
+machine again, and tests pick a backend by building one.
+
+Linear layers: weight -> kernel-ready form (once, at load, ``prepare_linear``) -> matmul
+(``linear``). Paths:
 - ``int4_cpu``: int4 weights on the CPU. Up to ``CPU_KERNEL_MAX_M`` rows (decode, CPU prefill
   chunks) the AVX2 int4 x int16 kernel runs (kernels.cpu_ops: activations rounded to int16, a
   scale per 4 values; ~1.9-2.6x torch's int4 kernel at M = 1, 4 and 16,
-  tools/bench_cpu_kernels.py) where it builds and the CPU has AVX2; else torch's portable int4
+  tools/bench_cpu_kernels.py) where the backend has the C++ ops; else torch's portable int4
   kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations) below ``PREFILL_M``. Above, the
   weight is dequantized to fp32 per call into a reused scratch buffer and run through the fp32
   GEMM, which wins at prefill shapes. Either way only one copy of the weight is kept: the
@@ -36,11 +42,55 @@ from quant.formats import QuantizedTensor, unpack_int4
 # ~32 rows on. The AVX2 kernels, since their accumulators stay in registers and a tile's min
 # terms are one FMA per group, win up to 64 (gate/up 2.71 vs 3.03 ms at 64, down 0.90 vs 1.00;
 # qkv ties at 64 and the dequantized GEMM wins from 96). LlamaModel's fused decode step calls
-# the kernels directly, for wider batches too (models.llama.FUSED_STEP_MAX_TOKENS).
+# the kernels directly, for wider batches too (FUSED_STEP_MAX_TOKENS).
 PREFILL_M = 32
 CPU_KERNEL_MAX_M = 64
+# CPU steps of up to this many tokens (decode rows, prompt chunks, verify steps) run as one
+# decode_layers call. Its int4 kernel stays within ~10% of dequantize + fp32 GEMM per linear up
+# to 128 rows (the measurement above); the per-op forward it replaces cost 2x at 48 decode rows
+# (394 vs 191 ms per step) and, for 64-token prompt chunks, ran a 256-token prompt at 249-266
+# tok/s against 338-414 (1024 tokens: 172-179 vs 219-286) with ~10 MB more peak RSS: its
+# activations went through torch's allocator op by op; larger steps were not measured.
+FUSED_STEP_MAX_TOKENS = 128
+LINEAR_PATHS = ("int4_cpu", "triton", "reference")
 _INNER_K_TILES = 8  # ignored by the CPU packer beyond validation; the CUDA one tiles by it
 _PACK_CHUNK_ROWS = 4096  # a multiple of every packing block width
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What runs where for one model, decided once (``choose_backend``) and passed down."""
+
+    device: torch.device
+    linear_path: str  # one of LINEAR_PATHS ("auto" is resolved by choose_backend)
+    # The C++ ops run: the int4/int8 linear kernels, RMSNorm, decode attention over plain
+    # caches and a GGUF's rows read from its file; else every caller takes its torch path.
+    cpu_ops: bool
+    triton: bool  # attention and KV cache writes run the Triton kernels (CUDA, or the interpreter)
+    # Steps of up to this many tokens run all layers as one C++ call (kernels.cpu_ops.decode_layers)
+    # where the model's weights allow it; 0: never.
+    fused_step_max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.linear_path not in LINEAR_PATHS:
+            raise ValueError(f"linear_path must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
+        if self.cpu_ops and self.device.type != "cpu":
+            raise ValueError(f"the C++ CPU ops run on the CPU only, not on {self.device}")
+        if self.fused_step_max_tokens < 0 or (self.fused_step_max_tokens and not self.cpu_ops):
+            raise ValueError(f"fused_step_max_tokens must be 0, or positive with the C++ CPU ops, got "
+                             f"{self.fused_step_max_tokens} (cpu_ops={self.cpu_ops})")
+
+
+def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu") -> Backend:
+    """The backend for a requested linear path (RuntimeConfig.linear_path; "auto": Triton on CUDA,
+    int4_cpu elsewhere) on ``device``, with the C++ ops wherever this machine runs them (on every
+    linear path: the reference path's norms and attention are theirs too)."""
+    device = torch.device(device)
+    if linear_path == "auto":
+        linear_path = "triton" if device.type == "cuda" else "int4_cpu"
+    native = device.type == "cpu" and cpu_ops.available()
+    return Backend(device, linear_path, cpu_ops=native, triton=device.type == "cuda",
+                   fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0)
 
 
 @dataclass(frozen=True)
@@ -73,14 +123,9 @@ def scratch_numel(weights: list[PreparedLinear]) -> int:
     return max((w.shape[0] * w.shape[1] for w in weights if w.path in ("int4_cpu", "int8_cpu")), default=0)
 
 
-def resolve_path(path: str, device: torch.device) -> str:
-    if path != "auto":
-        return path
-    return "triton" if device.type == "cuda" else "int4_cpu"
-
-
-def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: torch.device) -> PreparedLinear:
-    """Convert a weight for ``path``; called once per weight at load time."""
+def prepare_linear(weight: torch.Tensor | QuantizedTensor, backend: Backend) -> PreparedLinear:
+    """Convert a weight for the backend's linear path; called once per weight at load time."""
+    path, device = backend.linear_path, backend.device
     if not isinstance(weight, QuantizedTensor):
         if path == "int4_cpu" and weight.dtype == torch.bfloat16:
             return PreparedLinear("bf16_cpu", tuple(weight.shape), None, dense=weight.contiguous())
@@ -90,9 +135,9 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: to
         dense = weight.dequantize(torch.float32).to(device)
         return PreparedLinear("reference", weight.shape, None, dense=dense)
     if path == "int4_cpu":
-        if cpu_ops.supports_int8(weight) and cpu_ops.available():
+        if cpu_ops.supports_int8(weight) and backend.cpu_ops:
             return PreparedLinear("int8_cpu", weight.shape, cpu_ops.prepare_int8(weight), group_size=weight.group_size)
-        if cpu_ops.supports_int4(weight) and cpu_ops.available():
+        if cpu_ops.supports_int4(weight) and backend.cpu_ops:
             return PreparedLinear("int4_cpu", weight.shape, None, kernel=cpu_ops.prepare_int4(weight),
                                   group_size=weight.group_size)
         if weight.format != "int4" or weight.shape[0] % 16:  # torch's packer needs N % 16 == 0
@@ -100,9 +145,8 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, path: str, device: to
             # default model; a bf16 copy (2 bytes per weight) runs as a bf16 GEMV instead.
             return PreparedLinear("bf16_cpu", weight.shape, None, dense=weight.dequantize(torch.bfloat16))
         return _prepare_int4_cpu(weight)
-    if path == "triton":
-        return _prepare_triton(weight, device)
-    raise ValueError(f"unknown linear path {path!r}")
+    assert path == "triton"  # Backend checked the name
+    return _prepare_triton(weight, device)
 
 
 def _prepare_int4_cpu(weight: QuantizedTensor) -> PreparedLinear:

@@ -87,7 +87,12 @@ class KVPool:
         k_dtype: str = "fp16",
         v_dtype: str | None = None,
         device: str | torch.device = "cpu",
+        transform: bool | None = None,
     ) -> None:
+        """``transform``: whether the model stores keys centred and K and V rotated here
+        (kernels.kv_quant.kv_rotation). None: K's and V's own formats decide, each when quantized,
+        the only formats it helps; True on a plain pool changes nothing in exact arithmetic (the
+        transform's test)."""
         v_dtype = v_dtype or k_dtype
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("num_kv_heads", num_kv_heads),
@@ -103,6 +108,8 @@ class KVPool:
         self.head_dim = head_dim
         self.k_dtype = k_dtype
         self.v_dtype = v_dtype
+        self.transform_k = k_dtype not in PLAIN_DTYPES if transform is None else transform
+        self.transform_v = v_dtype not in PLAIN_DTYPES if transform is None else transform
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_caches = [_empty_cache(k_dtype, shape, torch.device(device)) for _ in range(num_layers)]
         self.v_caches = [_empty_cache(v_dtype, shape, torch.device(device)) for _ in range(num_layers)]
@@ -128,12 +135,12 @@ class KVPool:
         k: torch.Tensor,
         v: torch.Tensor,
         slot_mapping: torch.Tensor,
-        use_triton: bool | None = None,
+        use_triton: bool = False,
     ) -> None:
         """Quantize new keys and values (T, num_kv_heads, head_dim) into slots (T,) of ``layer``.
 
-        A negative slot skips that token (padding). Triton on CUDA, torch otherwise;
-        ``use_triton=True`` forces the kernel (interpreter tests).
+        A negative slot skips that token (padding). ``use_triton`` (kernels.dispatch.Backend.triton)
+        runs the Triton kernel, else torch.
         """
         self._check_layer(layer)
         expected = (self.num_kv_heads, self.head_dim)
@@ -144,8 +151,6 @@ class KVPool:
         if k.shape[0] != v.shape[0] or slot_mapping.shape != (k.shape[0],):
             raise ValueError(f"write: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
                              f"{tuple(slot_mapping.shape)} must agree on T")
-        if use_triton is None:
-            use_triton = self.device.type == "cuda"
         if use_triton:
             from kernels.paged_attention_triton import write_kv_cache
 

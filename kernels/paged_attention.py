@@ -1,11 +1,12 @@
 """Attention over the paged, quantized KV pool: decode and chunked-prefill attention.
 
-Entry points (one dispatch each: Triton on CUDA, the vectorised torch path elsewhere,
-``use_triton=True`` forces Triton, e.g. under TRITON_INTERPRET=1; on AVX2 CPUs decode over plain
-caches runs kernels.cpu_ops' C++ op, which the torch path is the reference for):
+Entry points (one dispatch each, by argument from the caller's kernels.dispatch.Backend:
+``use_triton`` runs Triton, on CUDA or under TRITON_INTERPRET=1; ``use_cpu_ops`` runs decode over
+plain caches through kernels.cpu_ops' C++ op, which the torch path is the reference for;
+otherwise the vectorised torch path):
 
-- (writing the cache, KVPool.write: kernels.kv_pool.write_kv_cache_reference, the Triton
-  write_kv_cache on CUDA) quantizes new K/V (T, Hkv, D) and scatters them into slots.
+- (writing the cache, KVPool.write: kernels.kv_pool.write_kv_cache_reference, or the Triton
+  write_kv_cache with ``use_triton``) quantizes new K/V (T, Hkv, D) and scatters them into slots.
 - ``paged_decode_attention``: one query token per sequence, q (S, Hq, D).
 - ``paged_prefill_attention``: varlen new tokens q (total, Hq, D), sequence i's rows are
   ``query_start_loc[i]:query_start_loc[i + 1]`` and sit at the end of its context, causal.
@@ -56,7 +57,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
-    use_triton: bool | None = None,
+    use_triton: bool = False,
+    use_cpu_ops: bool = False,
     max_context_len: int | None = None,
     partition_size: int = 512,
     seq_view: tuple[int, int] | None = None,
@@ -70,8 +72,6 @@ def paged_decode_attention(
     as a view (BatchMeta.seq_view).
     """
     _check_common(q, pool, layer, block_tables, context_lens, "paged_decode_attention")
-    if use_triton is None:
-        use_triton = q.is_cuda
     if use_triton:
         if max_context_len is None:
             max_context_len = int(context_lens.max()) if context_lens.numel() else 0
@@ -80,8 +80,8 @@ def paged_decode_attention(
         return decode_triton(q, pool, layer, block_tables, context_lens, scale, max_context_len,
                               partition_size)
     kc, vc = pool.k_caches[layer], pool.v_caches[layer]
-    if not q.is_cuda and kc.scale is None and vc.scale is None and kc.data.dtype == vc.data.dtype and \
-            q.shape[-1] % 8 == 0 and cpu_ops.available():
+    if use_cpu_ops and kc.scale is None and vc.scale is None and kc.data.dtype == vc.data.dtype and \
+            q.shape[-1] % 8 == 0:
         out = cpu_ops.paged_decode_attention(q, kc.data, vc.data, block_tables.int(), context_lens.int(), scale)
         return out.to(q.dtype)
     return _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view)
@@ -153,7 +153,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
-    use_triton: bool | None = None,
+    use_triton: bool = False,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
     """q (total_new, Hq, D) varlen -> (total_new, Hq, D), causal over each sequence's context.
@@ -165,8 +165,6 @@ def paged_prefill_attention(
     if query_start_loc.shape != (context_lens.shape[0] + 1,):
         raise ValueError(f"paged_prefill_attention: query_start_loc must be (S + 1,) = "
                          f"({context_lens.shape[0] + 1},), got {tuple(query_start_loc.shape)}")
-    if use_triton is None:
-        use_triton = q.is_cuda
     if use_triton:
         if max_query_len is None:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())

@@ -43,12 +43,12 @@ def bench_one(kv_dtype: str, batch: int, context: int, copy_bw: float) -> dict:
     for start in range(0, slots.numel(), chunk):
         part = slots[start:start + chunk]
         kv = torch.randn(2, part.numel(), NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
-        pool.write(0, kv[0], kv[1], part)
+        pool.write(0, kv[0], kv[1], part, use_triton=True)
     context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
     scale = HEAD_DIM**-0.5
     ms = triton.testing.do_bench(lambda: paged_decode_attention(
-        q, pool, 0, tables, context_lens, scale, max_context_len=context))
+        q, pool, 0, tables, context_lens, scale, use_triton=True, max_context_len=context))
 
     # Baseline: flash SDPA over contiguous fp16 K/V; the g q heads of a KV head are its g "rows".
     k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.float16)

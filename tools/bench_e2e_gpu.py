@@ -50,6 +50,7 @@ from edgeinfer.models.synthetic import synthetic_model  # noqa: E402
 from edgeinfer.worker.batch import SeqChunk  # noqa: E402
 from edgeinfer.worker.kv_pools import kv_pool  # noqa: E402
 from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
+from kernels.dispatch import choose_backend  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 from tools.bench_common import copy_bandwidth, int_list, table_cell  # noqa: E402
 
@@ -122,9 +123,9 @@ def _median_time(fn: Callable[[], object], reps: int, device: torch.device) -> f
 
 def bench_ours(loaded: LoadedModel, args: argparse.Namespace, device: torch.device, copy_bw: float) -> list[dict]:
     c = loaded.config
-    path = "triton" if device.type == "cuda" else "int4_cpu"
-    model = LlamaModel(c, loaded.weights, linear_path=path, device=device,
-                       head_format="same" if device.type == "cuda" else "int4")
+    backend = choose_backend("auto", device)
+    model = LlamaModel(c, loaded.weights, backend,
+                       head_format="int4" if backend.linear_path == "int4_cpu" else "same")
     weight_bytes = step_weight_bytes(loaded)
     gen = torch.Generator().manual_seed(0)
     rows = []

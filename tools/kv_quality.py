@@ -24,6 +24,7 @@ from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.models.loader import load_model  # noqa: E402
 from edgeinfer.models.pull import default_model_path, pull  # noqa: E402
 from edgeinfer.worker.kv_calibration import calibration_ids  # noqa: E402
+from kernels.dispatch import choose_backend  # noqa: E402
 from quant.perplexity import model_perplexity, text_tokens  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -41,7 +42,7 @@ def main() -> int:
     args = parser.parse_args()
     path = args.model or (default_model_path() if default_model_path().is_file() else pull())
     loaded = load_model(path)
-    model = LlamaModel(loaded.config, loaded.weights, linear_path="reference",
+    model = LlamaModel(loaded.config, loaded.weights, choose_backend("reference"),
                        kv_calibration_ids=calibration_ids(loaded.tokenizer))
     token_ids = text_tokens(loaded.tokenizer, CORPUS, args.tokens)
     rows = {}
@@ -52,7 +53,7 @@ def main() -> int:
     # The same int4 cache without the key transforms (no centring, identity rotation): what they
     # buy on the real model. Measured here, not asserted in a test: the gain is a few percent of
     # perplexity and moves with the CPU's fp32 summation order.
-    bare = LlamaModel(loaded.config, loaded.weights, linear_path="reference")
+    bare = LlamaModel(loaded.config, loaded.weights, choose_backend("reference"))
     bare._kv_rotation = torch.eye(loaded.config.head_dim)
     start = time.perf_counter()
     result = model_perplexity(bare, loaded.tokenizer, token_ids, args.window, "int4", "int4")

@@ -35,6 +35,7 @@ from edgeinfer.worker.batch import SeqChunk  # noqa: E402
 from edgeinfer.worker.build import build_model  # noqa: E402
 from edgeinfer.worker.kv_pools import kv_pool  # noqa: E402
 from edgeinfer.worker.model_runner import ModelRunner  # noqa: E402
+from kernels.dispatch import choose_backend  # noqa: E402
 from quant.formats import QuantizedTensor  # noqa: E402
 from quant.perplexity import model_perplexity, text_tokens  # noqa: E402
 
@@ -111,7 +112,7 @@ def _measure(path: str, token_ids: list[int], args: argparse.Namespace, dequanti
         weights = {
             n: w.dequantize() if isinstance(w, QuantizedTensor) else w.float() for n, w in weights.items()
         }
-    model = LlamaModel(loaded.config, weights, linear_path="reference")
+    model = LlamaModel(loaded.config, weights, choose_backend("reference"))
     ppl = model_perplexity(model, loaded.tokenizer, token_ids, args.window).perplexity
     del model
     tok_s = None if has_nf4 else _decode_tok_s(replace(loaded, weights=weights), args.decode_tokens)

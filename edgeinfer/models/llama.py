@@ -1,9 +1,11 @@
 """Llama-family forward pass in plain torch over a paged KV cache.
 
-Owns the prepared weights (converted once at construction through kernels.dispatch) and the
-RoPE tables. It reads and writes only the KV pool it is handed; it decides nothing about which
-sequences run. A step is a flattened, variable-length batch (BatchMeta): T new tokens from S
-sequences, each sequence's new tokens sitting at the end of its context.
+Holds the weights edgeinfer.models.weights prepares (once, at construction) for the
+kernels.dispatch.Backend it is given, hands that backend's flags to the kernels, and owns the
+RoPE tables and the KV transform (rotation, key centres). It reads and writes only the KV pool
+it is handed; it decides nothing about which sequences run. A step is a flattened,
+variable-length batch (BatchMeta): T new tokens from S sequences, each sequence's new tokens
+sitting at the end of its context.
 """
 
 from __future__ import annotations
@@ -15,16 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.models.host_memory import trim_heap
+from edgeinfer.models.weights import Weight, prepare_weights, row_reader, weight_rows
 from kernels import cpu_ops
-from kernels.dispatch import PreparedLinear, linear, prepare_linear, resolve_path, scratch_numel
+from kernels.dispatch import Backend, choose_backend, linear, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from quant.formats import QuantizedTensor, concat_rows, quantize_int4
-from quant.gguf_import import FileRows, LazyWeights
-
-Weight = torch.Tensor | QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -47,115 +45,41 @@ class BatchMeta:
     seq_view: tuple[int, int] | None = None
 
 
-@dataclass(frozen=True)
-class _Layer:
-    input_norm: torch.Tensor
-    qkv: PreparedLinear
-    o: PreparedLinear
-    post_norm: torch.Tensor
-    gate_up: PreparedLinear
-    down: PreparedLinear
-
-
-def _fuse(weights: list[Weight], dense_dtype: torch.dtype) -> Weight:
-    """One weight for several projections of the same input (QKV, gate/up); parts that cannot be
-    concatenated quantized become one ``dense_dtype`` tensor."""
-    if all(isinstance(w, QuantizedTensor) and w.format in ("int4", "int8") for w in weights):
-        if len({(w.format, w.group_size) for w in weights}) == 1:  # type: ignore[union-attr]
-            return concat_rows(weights)  # type: ignore[arg-type]
-    return torch.cat([w.dequantize(dense_dtype) if isinstance(w, QuantizedTensor) else w.to(dense_dtype)
-                      for w in weights])
-
-
 HEAD_REFINE_ROWS = 64
-# CPU steps of up to this many tokens (decode rows, prompt chunks, verify steps) run as one
-# decode_layers call. Its int4 kernel stays within ~10% of dequantize + fp32 GEMM per linear up
-# to 128 rows (tools measurement in kernels.dispatch); the per-op forward it replaces cost 2x at
-# 48 decode rows (394 vs 191 ms per step) and, for 64-token prompt chunks, ran a 256-token prompt
-# at 249-266 tok/s against 338-414 (1024 tokens: 172-179 vs 219-286) with ~10 MB more peak RSS:
-# its activations went through torch's allocator op by op; larger steps were not measured.
-FUSED_STEP_MAX_TOKENS = 128
 # KV formats the fused step writes and reads (K and V in one format; mixed ones take the per-op
 # forward).
 FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
 
 
 class LlamaModel:
-    """Prepared weights + forward.
+    """Prepared weights (edgeinfer.models.weights) + forward.
 
-    ``head_format`` 'same' runs the output head in the checkpoint's format. 'int4' is the CPU fast
-    path: the head (49152 x 576 for the default model, a quarter of all weight bytes) is
-    re-quantized to int4 g32 for a coarse pass (2.6 ms instead of 5.3 ms as a bf16 GEMV), then
-    the HEAD_REFINE_ROWS highest logits are recomputed exactly from the original rows. The
-    tokens that sampling can pick get the exact head; only far-tail logits carry int4 error.
-
-    On the CPU a GGUF's embedding is not loaded: each step reads the rows it needs (its tokens,
-    and the refined head rows when tied) from the file (quant.gguf_import.FileRows).
+    With an int4 head ('int4' head_format) the HEAD_REFINE_ROWS highest logits of the coarse pass
+    are recomputed exactly from the original rows: the tokens that sampling can pick get the
+    exact head; only far-tail logits carry int4 error.
     """
 
     def __init__(
         self,
         config: ModelConfig,
         weights: dict[str, Weight],
-        linear_path: str = "auto",
-        device: str | torch.device = "cpu",
+        backend: Backend | None = None,
         head_format: str = "same",
         take_weights: bool = False,
         kv_calibration_ids: Sequence[int] = (),
     ) -> None:
-        """``take_weights`` pops each tensor from ``weights`` once converted, so the caller's dict
-        does not hold a second copy of the model while the prepared one is built.
+        """``backend``: the kernels it runs (kernels.dispatch.choose_backend; None: its choice for
+        the CPU). ``head_format`` and ``take_weights``: see edgeinfer.models.weights.
         ``kv_calibration_ids``: tokens whose mean keys centre quantized key caches
         (measured by edgeinfer.worker.kv_calibration.prepare_quantized_kv; none: keys not centred)."""
-        if head_format not in ("same", "int4"):
-            raise ValueError(f"head_format must be 'same' or 'int4', got {head_format!r}")
         self.config = config
-        self.device = torch.device(device)
-        self.linear_path = resolve_path(linear_path, self.device)
+        self.backend = backend or choose_backend()
+        self.device = self.backend.device
         c = config
-        prep = lambda w: prepare_linear(w, self.linear_path, self.device)  # noqa: E731
-        get = weights.pop if take_weights else weights.__getitem__
-        # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
-        dense_dtype = torch.bfloat16 if self.linear_path == "int4_cpu" else torch.float32
-        fuse = lambda parts: _fuse(parts, dense_dtype)  # noqa: E731
-        # The head first: its int4 copy's build transient (~20 MB) then lands before the layers'
-        # weights do, below the model's final size.
-        embed_name = "model.embed_tokens.weight"
-        embed: Weight | FileRows | None = None
-        if self.device.type == "cpu" and isinstance(weights, LazyWeights):
-            embed = weights.file_rows(embed_name, take=take_weights)  # rows read per step
-        if embed is None:
-            embed = get(embed_name).to(self.device)
-        self.embed = embed
-        head = embed if c.tie_word_embeddings else get("lm_head.weight")
-        self._head_exact: Weight | FileRows | None = None
-        # Measured on the default model's Q8_0 head: the int8 kernel (1.65-2.0 ms per token, 30 MB
-        # read) loses to int4 + refinement (1.2-1.3 ms, 18 MB read) by more than the 17 MB it saves.
-        if head_format == "int4" and _format(head) != "int4":
-            self._head_exact = head.to(self.device, torch.float32) if isinstance(head, torch.Tensor) else head
-            head = _quantize_head_int4(head)
-        elif isinstance(head, FileRows):
-            head = head.load()
-        self.head = prep(head)
-        del head, embed  # the int4 copy's codes (14 MB) were repacked for the kernel
-        trim_heap()
-        self.layers: list[_Layer] = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            w = lambda name: get(p + name + ".weight")  # noqa: E731,B023
-            self.layers.append(_Layer(
-                input_norm=self._dense(w("input_layernorm")),
-                qkv=prep(fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
-                o=prep(w("self_attn.o_proj")),
-                post_norm=self._dense(w("post_attention_layernorm")),
-                gate_up=prep(fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
-                down=prep(w("mlp.down_proj")),
-            ))
-            trim_heap()  # the layer's staging copies, before the next layer's land between them
-        self.norm = self._dense(get("model.norm.weight"))
-        linears = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.weights = prepare_weights(config, weights, self.backend, head_format, take_weights)
+        self._read_rows = row_reader(self.backend)
         # One reused buffer for prefill's dequantized weights (the model runs on one thread).
-        self._scratch = torch.empty(scratch_numel(linears), device=self.device)
+        self._scratch = torch.empty(scratch_numel(self.weights.linears()), device=self.device)
         self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         # CUDA graphs hold the tables' addresses, so there they cover the whole context at once;
         # the CPU grows them with the contexts it sees (the default model's 8192 positions: 4 MB).
@@ -164,33 +88,25 @@ class LlamaModel:
         self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
         self.kv_calibration_ids = tuple(kv_calibration_ids)
         # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
-        self._cpu_norm = self.device.type == "cpu" and cpu_ops.available()
+        self._cpu_norm = self.backend.cpu_ops
         self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
-        self._fused_weights, self._fused_group = self._fused_step_weights()
-        # Steps run as one C++ call for all layers where the weights allow it (see
-        # _fused_step_weights); tests turn this off to compare with the per-op forward.
-        self.fused_steps = self._fused_weights is not None
 
-    def _fused_step_weights(self) -> tuple[list[torch.Tensor] | None, int]:
-        """decode_layers' weight list when every linear runs the AVX2 int4 kernel with one group
-        size (the CPU fast path on int4 checkpoints), else (None, 0)."""
-        if self.device.type != "cpu" or not cpu_ops.available():
-            return None, 0
-        kernels = [w.kernel for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if not all(isinstance(k, cpu_ops.CpuInt4Weight) for k in kernels):
-            return None, 0
-        groups = {k.group_size for k in kernels}
-        if len(groups) != 1:
-            return None, 0
-        weights = [t for layer in self.layers for t in cpu_ops.decode_layer_weights(
-            layer.input_norm, layer.qkv.kernel, layer.o.kernel, layer.post_norm, layer.gate_up.kernel,
-            layer.down.kernel)]
-        return weights, groups.pop()
+    @property
+    def linear_path(self) -> str:
+        return self.backend.linear_path
 
-    def _dense(self, t: Weight) -> torch.Tensor:
-        if isinstance(t, QuantizedTensor):
-            t = t.dequantize()
-        return t.to(self.device, torch.float32)
+    @property
+    def fused_steps(self) -> bool:
+        """Whether steps can run as one C++ call for all layers (PreparedWeights.fused)."""
+        return self.weights.fused is not None
+
+    def runs_fused(self, num_tokens: int, kv: KVPool) -> bool:
+        """Whether ``forward`` runs a step of ``num_tokens`` tokens over ``kv`` as that one call:
+        within the backend's bound, K and V in one format and transformed as that format asks
+        (the C++ step rotates quantized caches only)."""
+        return self.weights.fused is not None and num_tokens <= self.backend.fused_step_max_tokens and \
+            kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES and \
+            kv.transform_k == (kv.k_dtype not in PLAIN_DTYPES)
 
     def _cover_positions(self, num_positions: int) -> None:
         """Grow the RoPE tables (at least doubling, at most the model's context) to hold
@@ -208,15 +124,15 @@ class LlamaModel:
         return cos.float().to(self.device), signed_sin.float().to(self.device)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return _rows(self.embed, token_ids)
+        return weight_rows(self.weights.embed, token_ids, self._read_rows)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = linear(h, self.head).float()
-        if self._head_exact is None:
+        logits = linear(h, self.weights.head).float()
+        if self.weights.head_exact is None:
             return logits
         top = logits.topk(min(HEAD_REFINE_ROWS, logits.shape[-1]), dim=-1).indices  # (L, R)
-        rows = _rows(self._head_exact, top.flatten()).view(*top.shape, -1)  # (L, R, hidden)
-        exact = torch.einsum("lh,lrh->lr", h.float(), rows)
+        rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
+        exact = torch.einsum("lh,lrh->lr", h.float(), rows)  # rows (L, R, hidden)
         return logits.scatter_(-1, top, exact)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -245,11 +161,11 @@ class LlamaModel:
             tables = tables.repeat_interleave(batch.query_start_loc.diff(), dim=0)
             context_lens = batch.positions + 1
         cpu_ops.decode_layers(
-            h, self._fused_weights, self._fused_group, self._cos, self._sin, batch.positions,
+            h, self.weights.fused, self.weights.fused_group, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
             tables, context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps, **params,
         )
-        return self._head(self._rms_norm(h[batch.logits_indices], self.norm))
+        return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool,
@@ -259,8 +175,7 @@ class LlamaModel:
         c = self.config
         num_tokens = token_ids.shape[0]
         self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
-        if self.fused_steps and key_sink is None and num_tokens <= FUSED_STEP_MAX_TOKENS and \
-                kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES:
+        if key_sink is None and self.runs_fused(num_tokens, kv):
             return self._fused_step(token_ids, batch, kv)
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
@@ -270,12 +185,12 @@ class LlamaModel:
         sin = self._sin[batch.positions].unsqueeze(1)
         # Quantized caches hold rotated vectors (kernels.kv_quant.kv_rotation): q and k turn
         # together, v turns in and the attention output turns back.
-        rotate_k = kv.k_dtype not in PLAIN_DTYPES
-        rotate_v = kv.v_dtype not in PLAIN_DTYPES
+        rotate_k, rotate_v = kv.transform_k, kv.transform_v
+        use_triton, use_cpu_ops = self.backend.triton, self.backend.cpu_ops
         rot = self._kv_rotation
         centres = self.key_centres if rotate_k else None
         h = self.embed_tokens(token_ids)  # (T, hidden)
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.weights.layers):
             x = self._rms_norm(h, layer.input_norm)
             qkv = linear(x, layer.qkv, self._scratch)  # (T, (Hq + 2 Hkv) * D)
             qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, c.head_dim), cos, sin)
@@ -289,14 +204,14 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
             if rotate_v:
                 v = v.to(rot.dtype) @ rot  # v comes in the linear's dtype (bf16/fp16 on fast paths)
-            kv.write(index, k, v, batch.slot_mapping)
+            kv.write(index, k, v, batch.slot_mapping, use_triton=use_triton)
             if batch.is_decode:
                 attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
+                                              use_triton=use_triton, use_cpu_ops=use_cpu_ops,
                                               max_context_len=batch.max_context_len, seq_view=batch.seq_view)
             else:
-                attn = paged_prefill_attention(
-                    q, kv, index, batch.block_tables, batch.context_lens, batch.query_start_loc, scale
-                )
+                attn = paged_prefill_attention(q, kv, index, batch.block_tables, batch.context_lens,
+                                               batch.query_start_loc, scale, use_triton=use_triton)
             if rotate_v:
                 attn = attn @ rot.t()
             h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o, self._scratch)
@@ -304,40 +219,6 @@ class LlamaModel:
             gate_up = linear(x, layer.gate_up, self._scratch)
             gate, up = gate_up.chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.down, self._scratch)
-        h = self._rms_norm(h[batch.logits_indices], self.norm)
+        h = self._rms_norm(h[batch.logits_indices], self.weights.norm)
         return self._head(h)
 
-
-def _format(weight: Weight | FileRows) -> str | None:
-    """The QuantizedTensor format of a weight, None for a dense one."""
-    return None if isinstance(weight, torch.Tensor) else weight.format
-
-
-def _quantize_head_int4(head: Weight | FileRows, chunk: int = 1024) -> QuantizedTensor:
-    """int4 group-32 round-to-nearest copy of the head for the coarse pass, fp16 scales and mins
-    (20 instead of 24 bytes per 32 weights read per token). Row blocks go straight into the
-    final buffers: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB, and
-    concatenating quantized blocks held the head twice (build peak 387 -> 370 MB with the
-    kernel packing below, default model)."""
-    n, k = head.shape
-    out = QuantizedTensor("int4", (n, k), 32, torch.empty(n, k // 2, dtype=torch.uint8),
-                          torch.empty(n, k // 32, dtype=torch.float16), torch.empty(n, k // 32, dtype=torch.float16))
-    for lo in range(0, n, chunk):
-        part = quantize_int4(_rows(head, torch.arange(lo, min(lo + chunk, n))), 32)
-        out.qweight[lo:lo + chunk] = part.qweight
-        out.scales[lo:lo + chunk] = part.scales
-        out.mins[lo:lo + chunk] = part.mins
-    return out
-
-
-def _rows(weight: Weight | FileRows, row_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 rows of a (possibly quantized) matrix: embedding lookup and head refinement."""
-    if isinstance(weight, FileRows):
-        return weight.read(row_ids, cpu_ops.read_rows if cpu_ops.available() else None)
-    if not isinstance(weight, QuantizedTensor):
-        return weight[row_ids].float()
-    rows = QuantizedTensor(
-        weight.format, (row_ids.numel(), weight.shape[1]), weight.group_size, weight.qweight[row_ids],
-        weight.scales[row_ids], None if weight.mins is None else weight.mins[row_ids],
-    )
-    return rows.dequantize(torch.float32)

@@ -21,7 +21,7 @@ from edgeinfer.worker.device_memory import num_kv_blocks, worst_case_step_bytes
 from edgeinfer.worker.kv_calibration import calibration_ids
 from edgeinfer.worker.kv_pools import bytes_per_token, kv_pool
 from edgeinfer.worker.model_runner import ModelRunner
-from kernels.dispatch import resolve_path
+from kernels.dispatch import choose_backend
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,10 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
     device = resolve_device(runtime)
     if runtime.num_threads:
         torch.set_num_threads(runtime.num_threads)
-    path = resolve_path(runtime.linear_path, device)
+    backend = choose_backend(runtime.linear_path, device)
     # The quantized head with exact refinement only pays on the CPU int4 path.
-    head_format = "int4" if path == "int4_cpu" else "same"
-    return LlamaModel(loaded.config, loaded.weights, linear_path=path, device=device, head_format=head_format,
+    head_format = "int4" if backend.linear_path == "int4_cpu" else "same"
+    return LlamaModel(loaded.config, loaded.weights, backend, head_format=head_format,
                       take_weights=take_weights, kv_calibration_ids=calibration_ids(loaded.tokenizer))
 
 

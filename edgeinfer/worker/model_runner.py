@@ -21,7 +21,6 @@ from edgeinfer.worker.cuda_graphs import DecodeGraphs
 from edgeinfer.worker.device_memory import free_step_bytes
 from edgeinfer.worker.kv_calibration import prepare_quantized_kv
 from kernels.kv_pool import KVPool
-from kernels.kv_quant import PLAIN_DTYPES
 
 
 class ModelRunner:
@@ -45,7 +44,7 @@ class ModelRunner:
         self.pool = pool
         self.block_size = block_size
         self.activation_bytes_per_token = activation_bytes_per_token
-        if pool.k_dtype not in PLAIN_DTYPES:
+        if pool.transform_k:
             prepare_quantized_kv(model)  # before the first key is written (or graph captured)
         self.graphs: DecodeGraphs | None = None
         if graph_batch_sizes and model.device.type == "cuda":

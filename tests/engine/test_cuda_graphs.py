@@ -15,6 +15,7 @@ from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.cuda_graphs import PAD_SLOT, DecodeGraphs, pad_decode_batch, select_bucket
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -25,7 +26,7 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def tiny_model() -> LlamaModel:
     loaded = synthetic_model(TINY, "int4", group_size=32, seed=1)
-    return LlamaModel(loaded.config, loaded.weights, linear_path="reference")
+    return LlamaModel(loaded.config, loaded.weights, choose_backend("reference"))
 
 
 def make_pool(model: LlamaModel, num_blocks: int = 16, kv_dtype: str = "fp32") -> KVPool:
@@ -144,7 +145,7 @@ def test_runtime_config_graph_fields() -> None:
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_graph_replay_matches_eager_on_cuda(weights: str) -> None:
     loaded = synthetic_model("135m", weights, seed=2, device="cuda", max_position=1024)
-    model = LlamaModel(loaded.config, loaded.weights, linear_path="triton", device="cuda")
+    model = LlamaModel(loaded.config, loaded.weights, choose_backend("triton", "cuda"))
     c = model.config
     pools = [KVPool(c.num_layers, 64, 16, c.num_kv_heads, c.head_dim, "fp16", "fp16", "cuda") for _ in range(2)]
     eager = ModelRunner(model, pools[0], 16)

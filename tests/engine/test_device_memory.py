@@ -17,6 +17,7 @@ from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.core.scheduler import Scheduler
 from edgeinfer.engine.model_actor import ModelActor
 from edgeinfer.worker import device_memory
+from kernels.dispatch import choose_backend
 
 EOS = VOCAB - 1
 MIB = 2**20
@@ -44,7 +45,7 @@ def test_cpu_steps_are_not_measured_or_capped() -> None:
     tiny = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, max_position=128)
     loaded = synthetic_model(tiny, "int8", group_size=32, seed=1)
-    model = LlamaModel(loaded.config, dict(loaded.weights), linear_path="reference")
+    model = LlamaModel(loaded.config, dict(loaded.weights), choose_backend("reference"))
     assert device_memory.worst_case_step_bytes(model, RuntimeConfig(), 512, 64) == 0
 
 

@@ -19,6 +19,7 @@ from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.kv_pools import kv_pool
 from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import SamplingBatch, sampling_probs
+from kernels.dispatch import choose_backend
 
 TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, max_position=128)
@@ -30,7 +31,7 @@ BLOCK = 4  # small blocks: drafts cross block boundaries, copy-on-write and pree
 def runner(config: ModelConfig, seed: int, num_blocks: int, path: str = "reference",
            weights: str = "int8") -> ModelRunner:
     model = LlamaModel(config, dict(synthetic_model(config, weights, group_size=32, seed=seed).weights),
-                       linear_path=path)
+                       choose_backend(path))
     return ModelRunner(model, kv_pool(config, num_blocks, BLOCK, "fp32", "fp32"), BLOCK)
 
 

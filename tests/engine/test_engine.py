@@ -19,6 +19,7 @@ from edgeinfer.engine.api import Engine
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 
 pytestmark = pytest.mark.anyio
@@ -33,7 +34,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def model(loaded_model):  # noqa: ANN001, ANN201
-    return LlamaModel(loaded_model.config, loaded_model.weights, linear_path="reference")
+    return LlamaModel(loaded_model.config, loaded_model.weights, choose_backend("reference"))
 
 
 def make_engine(loaded, model: LlamaModel, num_blocks: int, **scheduler) -> Engine:  # noqa: ANN001, ANN003

@@ -28,6 +28,7 @@ from edgeinfer.engine.api import Engine
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 
 pytestmark = pytest.mark.gpu
@@ -57,11 +58,11 @@ def synthetic():  # noqa: ANN201
 
 
 def cpu_model(loaded) -> LlamaModel:  # noqa: ANN001
-    return LlamaModel(loaded.config, loaded.weights, linear_path="reference", device="cpu")
+    return LlamaModel(loaded.config, loaded.weights, choose_backend("reference", "cpu"))
 
 
 def cuda_model(loaded) -> LlamaModel:  # noqa: ANN001
-    return LlamaModel(loaded.config, loaded.weights, linear_path="triton", device="cuda")
+    return LlamaModel(loaded.config, loaded.weights, choose_backend("triton", "cuda"))
 
 
 def make_runner(model: LlamaModel, num_blocks: int, graphs: bool = True) -> ModelRunner:

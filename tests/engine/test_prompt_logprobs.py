@@ -19,6 +19,7 @@ from edgeinfer.engine.api import Engine
 from edgeinfer.engine.model_actor import ModelActor
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from quant.perplexity import model_perplexity
 
@@ -30,7 +31,7 @@ TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the m
 
 @pytest.fixture(scope="module")
 def model(loaded_model):  # noqa: ANN001, ANN201
-    return LlamaModel(loaded_model.config, loaded_model.weights, linear_path="reference")
+    return LlamaModel(loaded_model.config, loaded_model.weights, choose_backend("reference"))
 
 
 def runner(loaded, model: LlamaModel, num_blocks: int) -> ModelRunner:  # noqa: ANN001

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from test_paged_attention import LAYER, _q, build
 
 from kernels import cpu_ops
-from kernels.dispatch import CPU_KERNEL_MAX_M, linear, prepare_linear
+from kernels.dispatch import CPU_KERNEL_MAX_M, choose_backend, linear, prepare_linear
 from kernels.paged_attention import paged_decode_attention_reference
 from kernels.reference import int4_gemm_reference, int8_gemm_reference, int16_activation_gemm_reference
 from quant.formats import quantize_int4, quantize_int8
@@ -107,7 +107,7 @@ def test_int8_prepare_keeps_fp16_weights_and_errors_name_the_problem():
                                              ("int8", torch.bfloat16)])
 def test_dispatch_uses_the_kernel_for_decode_and_dequantizes_for_prefill(m, fmt, scale_dtype):
     weight = _weight(70, 96, 32, scale_dtype, seed=m, fmt=fmt)
-    prepared = prepare_linear(weight, "int4_cpu", torch.device("cpu"))
+    prepared = prepare_linear(weight, choose_backend("int4_cpu"))
     if fmt == "int4":
         assert isinstance(prepared.kernel, cpu_ops.CpuInt4Weight) and prepared.packed is None
     else:  # used as loaded, bf16 scales made fp32

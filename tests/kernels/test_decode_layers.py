@@ -5,15 +5,18 @@ sequences with scattered blocks, every KV format; bad arguments get errors that 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.llama import LlamaModel
+from edgeinfer.models.loader import LoadedModel
 from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk, build_batch
 from kernels import cpu_ops
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from quant.formats import unpack_int4
 
@@ -26,11 +29,27 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    loaded = synthetic_model(CONFIG, "int4", group_size=32, seed=3)
+def loaded() -> LoadedModel:
+    return synthetic_model(CONFIG, "int4", group_size=32, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model(loaded: LoadedModel) -> LlamaModel:
     model = LlamaModel(loaded.config, loaded.weights)
     assert model.fused_steps, "an int4 g32 model on the CPU takes the fused step"
     return model
+
+
+def bounded(loaded: LoadedModel, model: LlamaModel, max_tokens: int) -> LlamaModel:
+    """The same weights on the same backend, with fused steps only up to ``max_tokens`` tokens
+    (0: the per-op forward, the fused step's reference)."""
+    backend = dataclasses.replace(model.backend, fused_step_max_tokens=max_tokens)
+    return LlamaModel(loaded.config, loaded.weights, backend)
+
+
+@pytest.fixture(scope="module")
+def per_op(loaded: LoadedModel, model: LlamaModel) -> LlamaModel:
+    return bounded(loaded, model, 0)
 
 
 def _prefilled(model: LlamaModel, kv_dtype: str, prompts: list[list[int]],
@@ -44,12 +63,14 @@ def _prefilled(model: LlamaModel, kv_dtype: str, prompts: list[list[int]],
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "int8", "int4"])
-def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: str,
+def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, per_op: LlamaModel, kv_dtype: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(0)
     if kv_dtype in ("int8", "int4"):  # keys centred as after calibration (then rotated and quantized)
         c = model.config
-        monkeypatch.setattr(model, "key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
+        centres = torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g)
+        for m in (model, per_op):
+            monkeypatch.setattr(m, "key_centres", centres)
     lengths = (1, 6, 13)  # contexts that end mid-block, one a single token
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     tables = [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]  # scattered, out of order, room for decode
@@ -65,12 +86,9 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
                   for n, t in zip(lengths, tables, strict=True)]
         token_ids, batch = build_batch(chunks, BLOCK, model.device)
         assert batch.is_decode
+        assert model.runs_fused(len(token_ids), fused_pool) and not per_op.runs_fused(len(token_ids), reference_pool)
         fused = model.forward(token_ids, batch, fused_pool)
-        model.fused_steps = False
-        try:
-            reference = model.forward(token_ids, batch, reference_pool)
-        finally:
-            model.fused_steps = True
+        reference = per_op.forward(token_ids, batch, reference_pool)
         assert fused.shape == reference.shape == (3, CONFIG.vocab_size)
         torch.testing.assert_close(fused, reference, rtol=tol, atol=tol * reference.abs().max().item())
     # Not bit-exact from layer 1 on: SiLU's exp differs from torch's in the last bits, and the
@@ -90,7 +108,7 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, kv_dtype: st
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8", "int4"])
-def test_fused_prompt_and_mixed_steps_match_the_per_op_forward(model: LlamaModel, kv_dtype: str,
+def test_fused_prompt_and_mixed_steps_match_the_per_op_forward(model: LlamaModel, per_op: LlamaModel, kv_dtype: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of one step that belong to one sequence attend causally: a prompt from position 0, a
     prompt chunk continuing a cached context, a decode row and a verify-style chunk with logits
@@ -98,18 +116,16 @@ def test_fused_prompt_and_mixed_steps_match_the_per_op_forward(model: LlamaModel
     c = model.config
     g = torch.Generator().manual_seed(4)
     if kv_dtype in ("int8", "int4"):
-        monkeypatch.setattr(model, "key_centres", torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g))
+        centres = torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, generator=g)
+        for m in (model, per_op):
+            monkeypatch.setattr(m, "key_centres", centres)
     tokens = lambda n: tuple(torch.randint(0, c.vocab_size, (n,), generator=g).tolist())  # noqa: E731
     tables = [(5, 1, 12, 3), (8, 0, 19), (2, 14), (7, 10, 4)]
     cached = {1: 6, 2: 5, 3: 3}  # tokens already in the cache per sequence (written by the per-op path)
     pool = KVPool(c.num_layers, 24, BLOCK, c.num_kv_heads, c.head_dim, kv_dtype, kv_dtype, model.device)
-    model.fused_steps = False
-    try:
-        for seq, n in cached.items():
-            token_ids, batch = build_batch([SeqChunk(tokens(n), 0, tables[seq])], BLOCK, model.device)
-            model.forward(token_ids, batch, pool)
-    finally:
-        model.fused_steps = True
+    for seq, n in cached.items():
+        token_ids, batch = build_batch([SeqChunk(tokens(n), 0, tables[seq])], BLOCK, model.device)
+        per_op.forward(token_ids, batch, pool)
     chunks = [SeqChunk(tokens(13), 0, tables[0]),  # ends mid-block, spans 4 blocks
               SeqChunk(tokens(5), 6, tables[1]),  # continues a cached context across a block edge
               SeqChunk(tokens(1), 5, tables[2]),  # a decode row
@@ -117,16 +133,9 @@ def test_fused_prompt_and_mixed_steps_match_the_per_op_forward(model: LlamaModel
     token_ids, batch = build_batch(chunks, BLOCK, model.device)
     assert not batch.is_decode
     reference_pool = copy.deepcopy(pool)
-    calls: list[int] = []
-    fused_step = model._fused_step
-    monkeypatch.setattr(model, "_fused_step", lambda *args: calls.append(1) or fused_step(*args))
+    assert model.runs_fused(len(token_ids), pool)
     fused = model.forward(token_ids, batch, pool)
-    assert calls == [1]
-    model.fused_steps = False
-    try:
-        reference = model.forward(token_ids, batch, reference_pool)
-    finally:
-        model.fused_steps = True
+    reference = per_op.forward(token_ids, batch, reference_pool)
     assert fused.shape == reference.shape == (1 + 1 + 1 + 4, c.vocab_size)
     tol = {"int8": 1 / 127, "int4": 1 / 15, "fp16": torch.finfo(torch.float16).eps}.get(kv_dtype, 1e-4)
     torch.testing.assert_close(fused, reference, rtol=tol, atol=tol * reference.abs().max().item())
@@ -141,9 +150,7 @@ def test_fused_prompt_and_mixed_steps_match_the_per_op_forward(model: LlamaModel
             torch.testing.assert_close(cache.data.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
-def test_wide_decode_batches_are_fused_up_to_the_bound(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    from edgeinfer.models import llama
-
+def test_wide_decode_batches_are_fused_up_to_the_bound(loaded: LoadedModel, model: LlamaModel) -> None:
     c, num_seqs = model.config, 37  # rows split over threads in every phase of the fused step
     g = torch.Generator().manual_seed(1)
     pool = KVPool(c.num_layers, 2 * num_seqs, BLOCK, c.num_kv_heads, c.head_dim, "fp32", "fp32", model.device)
@@ -157,14 +164,11 @@ def test_wide_decode_batches_are_fused_up_to_the_bound(model: LlamaModel, monkey
     chunks = [SeqChunk((int(torch.randint(0, c.vocab_size, (), generator=g)),), n, t)
               for n, t in zip(lengths, tables, strict=True)]
     token_ids, batch = build_batch(chunks, BLOCK, model.device)
-    calls: list[int] = []
-    fused_step = model._fused_step
-    monkeypatch.setattr(model, "_fused_step", lambda *args: calls.append(1) or fused_step(*args))
+    assert model.runs_fused(num_seqs, pool)
     fused = model.forward(token_ids, batch, pool)
-    assert calls == [1]
-    monkeypatch.setattr(llama, "FUSED_STEP_MAX_TOKENS", num_seqs - 1)
-    reference = model.forward(token_ids, batch, reference_pool)  # above the bound: the per-op forward
-    assert calls == [1]
+    narrow = bounded(loaded, model, num_seqs - 1)
+    assert not narrow.runs_fused(num_seqs, reference_pool)
+    reference = narrow.forward(token_ids, batch, reference_pool)  # above the bound: the per-op forward
     torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
@@ -172,7 +176,7 @@ def test_fused_decode_is_off_where_the_weights_do_not_allow_it() -> None:
     loaded = synthetic_model(CONFIG, "int8", group_size=32, seed=3)
     assert not LlamaModel(loaded.config, loaded.weights).fused_steps  # int8: no AVX2 int4 kernel
     loaded = synthetic_model(CONFIG, "int4", group_size=32, seed=3)
-    assert not LlamaModel(loaded.config, loaded.weights, linear_path="reference").fused_steps
+    assert not LlamaModel(loaded.config, loaded.weights, choose_backend("reference")).fused_steps
 
 
 def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
@@ -183,13 +187,13 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
     k = [cache.data for cache in pool.k_caches]
     v = [cache.data for cache in pool.v_caches]
 
-    def run(weights=model._fused_weights, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
+    def run(weights=model.weights.fused, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
             v_caches=v, **int8):
         cpu_ops.decode_layers(h, weights, 32, model._cos, model._sin, positions, k_caches, v_caches, slots,
                               batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5, **int8)
 
     with pytest.raises(RuntimeError, match="14 weights"):
-        run(weights=model._fused_weights[:-1])
+        run(weights=model.weights.fused[:-1])
     with pytest.raises(RuntimeError, match="outside the KV pool"):
         run(slots=torch.tensor([4 * BLOCK]))
     assert model._cos.shape[0] == c.max_position  # (the tables never pass the context)
@@ -230,3 +234,11 @@ def test_rope_tables_grow_with_the_contexts_seen_and_stop_at_the_model_context()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     grown._cover_positions(5000)
     assert grown._cos.shape[0] == grown._sin.shape[0] == config.max_position
+
+
+def test_a_plain_pool_that_asks_for_the_kv_transform_takes_the_per_op_forward(model: LlamaModel) -> None:
+    c = model.config
+    pools = [KVPool(c.num_layers, 4, BLOCK, c.num_kv_heads, c.head_dim, "fp32", "fp32", transform=transform)
+             for transform in (None, True)]
+    assert model.runs_fused(1, pools[0])
+    assert not model.runs_fused(1, pools[1])  # the C++ step rotates quantized caches only

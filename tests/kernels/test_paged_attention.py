@@ -73,24 +73,23 @@ def test_cache_write_kernel_matches_torch(k_dtype, v_dtype):
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("native", [True, False], ids=["cpu_ops", "torch"])
-def test_decode_torch_path_matches_reference(k_dtype, v_dtype, group, head_dim, native, monkeypatch):
+def test_decode_torch_path_matches_reference(k_dtype, v_dtype, group, head_dim, native):
     # native: plain caches go to the C++ op where it builds; otherwise the torch path runs.
-    if not native:
-        monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    use_cpu_ops = native and cpu_ops.available()
     lens = [1, 13, 70, 33]
     pool, tables = build(k_dtype, v_dtype, head_dim, 2, lens, seed=group + head_dim)
     q = _q((len(lens), 2 * group, head_dim), seed=1)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, pool, LAYER, tables, context_lens, scale)
+    out = paged_decode_attention(q, pool, LAYER, tables, context_lens, scale, use_cpu_ops=use_cpu_ops)
     ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k_dtype,v_dtype", [("fp32", "fp32"), ("bf16", "fp16"), ("int8", "int4")])
 @pytest.mark.parametrize("length", [1, 8, 29])
-def test_single_sequence_view_matches_reference(k_dtype, v_dtype, length, monkeypatch):
-    monkeypatch.setattr(cpu_ops, "available", lambda: False)  # the view is the torch path's
+def test_single_sequence_view_matches_reference(k_dtype, v_dtype, length):
+    # The view is the torch path's (use_cpu_ops left off).
     # One sequence in consecutive blocks 2, 3, 4, 5 (BatchMeta.seq_view): plain caches are read
     # as a view of the pool, quantized ones gathered; both must equal the reference.
     block_size, first = 8, 2
@@ -211,13 +210,13 @@ def test_compiled_kernels_match_torch_path(k_dtype, v_dtype, group, head_dim):
     scale = head_dim**-0.5
     q = _q((len(lens), 2 * group, head_dim), seed=3, device="cuda")
     for partition_size in (64, 512):
-        out = paged_decode_attention(q, pool, LAYER, tables, context_lens, scale,
+        out = paged_decode_attention(q, pool, LAYER, tables, context_lens, scale, use_triton=True,
                                      partition_size=partition_size)
         ref = paged_decode_attention(q, pool, LAYER, tables, context_lens, scale, use_triton=False)
         torch.testing.assert_close(out, ref, rtol=0, atol=4e-3)
     news = [1, 300, 2051, 5]
     starts = torch.tensor([0] + news, device="cuda").cumsum(0).to(torch.int32)
     q = _q((sum(news), 2 * group, head_dim), seed=4, device="cuda")
-    out = paged_prefill_attention(q, pool, LAYER, tables, context_lens, starts, scale)
+    out = paged_prefill_attention(q, pool, LAYER, tables, context_lens, starts, scale, use_triton=True)
     ref = paged_prefill_attention(q, pool, LAYER, tables, context_lens, starts, scale, use_triton=False)
     torch.testing.assert_close(out, ref, rtol=0, atol=4e-3)

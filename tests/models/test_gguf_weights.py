@@ -129,10 +129,10 @@ def test_embedding_stays_in_the_file(default_model_path: Path) -> None:
     greedy decode) as a model holding the loaded table."""
     runtime = RuntimeConfig(linear_path="int4_cpu")
     from_file = build_model(load_model(default_model_path), runtime, take_weights=True)
-    assert isinstance(from_file.embed, FileRows) and isinstance(from_file._head_exact, FileRows)
+    assert isinstance(from_file.weights.embed, FileRows) and isinstance(from_file.weights.head_exact, FileRows)
     loaded = load_model(default_model_path)
     held = build_model(dataclasses.replace(loaded, weights=dict(loaded.weights)), runtime, take_weights=True)
-    assert isinstance(held.embed, QuantizedTensor)
+    assert isinstance(held.weights.embed, QuantizedTensor)
     ids = list(range(300, 340))
     runs = []
     for model in (from_file, held):

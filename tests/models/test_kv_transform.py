@@ -4,13 +4,13 @@ edgeinfer.worker.kv_calibration): exact in exact arithmetic, and smaller int4 er
 import pytest
 import torch
 
-import edgeinfer.models.llama as llama
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.kv_calibration import prepare_quantized_kv
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import dequantize_kv, kv_rotation, quantize_kv
 
@@ -24,9 +24,11 @@ def test_rotation_is_orthonormal(head_dim: int) -> None:
     assert torch.allclose(r @ r.t(), torch.eye(head_dim, dtype=torch.float64), atol=1e-6)
 
 
-def logits(model: LlamaModel, kv_dtype: str, tokens: list[int], config: ModelConfig) -> torch.Tensor:
+def logits(model: LlamaModel, kv_dtype: str, tokens: list[int], config: ModelConfig,
+           transform: bool | None = None) -> torch.Tensor:
     blocks = -(-len(tokens) // 16)
-    pool = KVPool(config.num_layers, blocks, 16, config.num_kv_heads, config.head_dim, kv_dtype, kv_dtype)
+    pool = KVPool(config.num_layers, blocks, 16, config.num_kv_heads, config.head_dim, kv_dtype, kv_dtype,
+                  transform=transform)
     runner = ModelRunner(model, pool, 16)
     prefix, rest = tokens[:-5], tokens[-5:]
     out = [runner.logits([SeqChunk(tuple(prefix), 0, tuple(range(blocks)))])]
@@ -35,17 +37,16 @@ def logits(model: LlamaModel, kv_dtype: str, tokens: list[int], config: ModelCon
     return torch.cat(out)
 
 
-def test_centring_and_rotation_leave_attention_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_centring_and_rotation_leave_attention_unchanged() -> None:
     weights = synthetic_model(TINY, "int8", group_size=32, seed=4).weights
     tokens = [int(t) for t in torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(1))]
-    plain = LlamaModel(TINY, dict(weights), linear_path="reference")
+    plain = LlamaModel(TINY, dict(weights), choose_backend("reference"))
     want = logits(plain, "fp32", tokens, TINY)
-    transformed = LlamaModel(TINY, dict(weights), linear_path="reference", kv_calibration_ids=tokens[::-1])
-    # An fp32 cache treated as quantized: centring and rotation run, storage adds no error.
-    monkeypatch.setattr(llama, "PLAIN_DTYPES", {})
+    transformed = LlamaModel(TINY, dict(weights), choose_backend("reference"), kv_calibration_ids=tokens[::-1])
+    # An fp32 cache that asks for the transform: centring and rotation run, storage adds no error.
     prepare_quantized_kv(transformed)
     assert transformed.key_centres is not None and transformed.key_centres.abs().max() > 0.1
-    got = logits(transformed, "fp32", tokens, TINY)
+    got = logits(transformed, "fp32", tokens, TINY, transform=True)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -9,6 +9,7 @@ from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from quant.formats import QuantizedTensor, quantize_int8
 from quant.nf4 import quantize_nf4
@@ -18,7 +19,7 @@ TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
 
 
 def _logits(config: ModelConfig, weights: dict, path: str) -> torch.Tensor:
-    model = LlamaModel(config, dict(weights), linear_path=path)
+    model = LlamaModel(config, dict(weights), choose_backend(path))
     pool = KVPool(config.num_layers, 4, 16, config.num_kv_heads, config.head_dim, "fp32", "fp32")
     return ModelRunner(model, pool, 16).logits([SeqChunk(tuple(range(1, 20)), 0, (0, 1), num_logits=19)])
 

@@ -17,6 +17,7 @@ from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.loader import load_model
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from quant.calibrate import GPTQCalibrator, gptq_quantize, hessian
 from quant.checkpoint import load_checkpoint
@@ -80,7 +81,7 @@ def test_skip_keeps_source_format(tiny_src: Path, tmp_path: Path) -> None:
 
 
 def _reference_logits(config, weights, token_ids: list[int]) -> torch.Tensor:
-    model = LlamaModel(config, weights, linear_path="reference")
+    model = LlamaModel(config, weights, choose_backend("reference"))
     pool = KVPool(config.num_layers, 4, 16, config.num_kv_heads, config.head_dim, "fp32")
     runner = ModelRunner(model, pool, 16)
     return runner.logits([SeqChunk(tuple(token_ids), 0, (0, 1, 2, 3), num_logits=len(token_ids))])
@@ -309,7 +310,7 @@ def test_gguf_q4_1_to_int4_g32_is_bit_exact(gguf_int4: Path) -> None:
 def _greedy(path: Path, prompt: str, num_tokens: int) -> list[int]:
     loaded = load_model(path)
     c = loaded.config
-    model = LlamaModel(c, loaded.weights, linear_path="int4_cpu")
+    model = LlamaModel(c, loaded.weights, choose_backend("int4_cpu"))
     runner = ModelRunner(model, KVPool(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, "fp32"), 16)
     ids = loaded.tokenizer.encode(prompt)
     out: list[int] = []

@@ -1,0 +1,180 @@
+"""Weight preparation: a checkpoint's tensors -> the forms LlamaModel's forward reads, once at load.
+
+Owns the conversion for the model's kernels.dispatch.Backend: Q/K/V and gate/up fused into one
+weight each, every linear converted by kernels.dispatch.prepare_linear, norms made dense fp32,
+the head re-quantized to int4 for a coarse pass where asked, a GGUF's embedding left in its file
+on the CPU, and kernels.cpu_ops.decode_layers' weight list where the fused step can run. What it
+returns is read-only from then on; the forward (edgeinfer.models.llama) reads rows through
+``weight_rows``.
+
+``head_format`` 'same' runs the output head in the checkpoint's format. 'int4' is the CPU fast
+path: the head (49152 x 576 for the default model, a quarter of all weight bytes) is re-quantized
+to int4 g32 for a coarse pass (2.6 ms instead of 5.3 ms as a bf16 GEMV), and the forward
+recomputes its best rows exactly from ``head_exact`` (llama.HEAD_REFINE_ROWS). Measured on the
+default model's Q8_0 head: the int8 kernel (1.65-2.0 ms per token, 30 MB read) loses to int4 +
+refinement (1.2-1.3 ms, 18 MB read) by more than the 17 MB it saves.
+
+On the CPU a GGUF's embedding is not loaded: each step reads the rows it needs (its tokens, and
+the refined head rows when tied) from the file (quant.gguf_import.FileRows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgeinfer.config import ModelConfig
+from edgeinfer.models.host_memory import trim_heap
+from kernels import cpu_ops
+from kernels.dispatch import Backend, PreparedLinear, prepare_linear
+from quant.formats import QuantizedTensor, concat_rows, quantize_int4
+from quant.gguf_import import FileRows, LazyWeights, RowReader
+
+Weight = torch.Tensor | QuantizedTensor
+
+
+@dataclass(frozen=True)
+class PreparedLayer:
+    input_norm: torch.Tensor
+    qkv: PreparedLinear
+    o: PreparedLinear
+    post_norm: torch.Tensor
+    gate_up: PreparedLinear
+    down: PreparedLinear
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    embed: Weight | FileRows  # read by weight_rows() per step
+    head: PreparedLinear
+    head_exact: Weight | FileRows | None  # the exact rows an int4 head's best logits are recomputed from
+    layers: tuple[PreparedLayer, ...]
+    norm: torch.Tensor
+    fused: list[torch.Tensor] | None  # decode_layers' weights, 14 per layer; None: no fused step
+    fused_group: int  # their one int4 group size
+
+    def linears(self) -> list[PreparedLinear]:
+        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+
+def row_reader(backend: Backend) -> RowReader | None:
+    """The C++ reader of a file's rows where the backend has the C++ ops (None: FileRows' Python path)."""
+    return cpu_ops.read_rows if backend.cpu_ops else None
+
+
+def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Backend, head_format: str = "same",
+                    take_weights: bool = False) -> PreparedWeights:
+    """``take_weights`` pops each tensor from ``weights`` once converted, so the caller's dict does
+    not hold a second copy of the model while the prepared one is built."""
+    if head_format not in ("same", "int4"):
+        raise ValueError(f"head_format must be 'same' or 'int4', got {head_format!r}")
+    device = backend.device
+    prep = lambda w: prepare_linear(w, backend)  # noqa: E731
+    get = weights.pop if take_weights else weights.__getitem__
+    # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
+    dense_dtype = torch.bfloat16 if backend.linear_path == "int4_cpu" else torch.float32
+    fuse = lambda parts: _fuse(parts, dense_dtype)  # noqa: E731
+    # The head first: its int4 copy's build transient (~20 MB) then lands before the layers'
+    # weights do, below the model's final size.
+    embed_name = "model.embed_tokens.weight"
+    embed: Weight | FileRows | None = None
+    if device.type == "cpu" and isinstance(weights, LazyWeights):
+        embed = weights.file_rows(embed_name, take=take_weights)  # rows read per step
+    if embed is None:
+        embed = get(embed_name).to(device)
+    head = embed if config.tie_word_embeddings else get("lm_head.weight")
+    head_exact: Weight | FileRows | None = None
+    if head_format == "int4" and _format(head) != "int4":
+        head_exact = head.to(device, torch.float32) if isinstance(head, torch.Tensor) else head
+        head = _quantize_head_int4(head, row_reader(backend))
+    elif isinstance(head, FileRows):
+        head = head.load()
+    prepared_head = prep(head)
+    del head  # the int4 copy's codes (14 MB) were repacked for the kernel
+    trim_heap()
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        w = lambda name: get(p + name + ".weight")  # noqa: E731,B023
+        layers.append(PreparedLayer(
+            input_norm=_dense(w("input_layernorm"), device),
+            qkv=prep(fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
+            o=prep(w("self_attn.o_proj")),
+            post_norm=_dense(w("post_attention_layernorm"), device),
+            gate_up=prep(fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
+            down=prep(w("mlp.down_proj")),
+        ))
+        trim_heap()  # the layer's staging copies, before the next layer's land between them
+    norm = _dense(get("model.norm.weight"), device)
+    fused, fused_group = _fused_step_weights(layers, backend)
+    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused, fused_group)
+
+
+def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: RowReader | None) -> torch.Tensor:
+    """fp32 rows of a (possibly quantized) matrix: embedding lookup and head refinement;
+    ``read_rows``: row_reader's choice for a file's rows."""
+    if isinstance(weight, FileRows):
+        return weight.read(row_ids, read_rows)
+    if not isinstance(weight, QuantizedTensor):
+        return weight[row_ids].float()
+    picked = QuantizedTensor(
+        weight.format, (row_ids.numel(), weight.shape[1]), weight.group_size, weight.qweight[row_ids],
+        weight.scales[row_ids], None if weight.mins is None else weight.mins[row_ids],
+    )
+    return picked.dequantize(torch.float32)
+
+
+def _fused_step_weights(layers: list[PreparedLayer], backend: Backend) -> tuple[list[torch.Tensor] | None, int]:
+    """decode_layers' weight list when the backend runs fused steps and every linear runs the
+    AVX2 int4 kernel with one group size (the CPU fast path on int4 checkpoints), else (None, 0)."""
+    if not backend.fused_step_max_tokens:
+        return None, 0
+    kernels = [w.kernel for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if not all(isinstance(k, cpu_ops.CpuInt4Weight) for k in kernels):
+        return None, 0
+    groups = {k.group_size for k in kernels}
+    if len(groups) != 1:
+        return None, 0
+    weights = [t for layer in layers for t in cpu_ops.decode_layer_weights(
+        layer.input_norm, layer.qkv.kernel, layer.o.kernel, layer.post_norm, layer.gate_up.kernel,
+        layer.down.kernel)]
+    return weights, groups.pop()
+
+
+def _fuse(weights: list[Weight], dense_dtype: torch.dtype) -> Weight:
+    """One weight for several projections of the same input (QKV, gate/up); parts that cannot be
+    concatenated quantized become one ``dense_dtype`` tensor."""
+    if all(isinstance(w, QuantizedTensor) and w.format in ("int4", "int8") for w in weights):
+        if len({(w.format, w.group_size) for w in weights}) == 1:  # type: ignore[union-attr]
+            return concat_rows(weights)  # type: ignore[arg-type]
+    return torch.cat([w.dequantize(dense_dtype) if isinstance(w, QuantizedTensor) else w.to(dense_dtype)
+                      for w in weights])
+
+
+def _dense(t: Weight, device: torch.device) -> torch.Tensor:
+    if isinstance(t, QuantizedTensor):
+        t = t.dequantize()
+    return t.to(device, torch.float32)
+
+
+def _format(weight: Weight | FileRows) -> str | None:
+    """The QuantizedTensor format of a weight, None for a dense one."""
+    return None if isinstance(weight, torch.Tensor) else weight.format
+
+
+def _quantize_head_int4(head: Weight | FileRows, read_rows: RowReader | None, chunk: int = 1024) -> QuantizedTensor:
+    """int4 group-32 round-to-nearest copy of the head for the coarse pass, fp16 scales and mins
+    (20 instead of 24 bytes per 32 weights read per token). Row blocks go straight into the
+    final buffers: quantizing the whole fp32 head at once would spike RSS by ~0.5 GB, and
+    concatenating quantized blocks held the head twice (build peak 387 -> 370 MB with the
+    kernel packing below, default model)."""
+    n, k = head.shape
+    out = QuantizedTensor("int4", (n, k), 32, torch.empty(n, k // 2, dtype=torch.uint8),
+                          torch.empty(n, k // 32, dtype=torch.float16), torch.empty(n, k // 32, dtype=torch.float16))
+    for lo in range(0, n, chunk):
+        part = quantize_int4(weight_rows(head, torch.arange(lo, min(lo + chunk, n)), read_rows), 32)
+        out.qweight[lo:lo + chunk] = part.qweight
+        out.scales[lo:lo + chunk] = part.scales
+        out.mins[lo:lo + chunk] = part.mins
+    return out
