@@ -88,6 +88,11 @@ class RuntimeConfig:
     max_model_len: int | None = None  # cap on context length; None: the model's own
     cuda_graphs: bool = False  # replay pure-decode steps as CUDA graphs (CUDA only; ignored on the CPU)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode batches padded up to the nearest
+    # The checkpoint's own output layer for every logit. Off, the int4 CPU path keeps an int4 copy
+    # and recomputes only each row's 64 likeliest logits exactly: greedy and top-k choices are
+    # exact, the log-probabilities of other tokens are not (default model: perplexity 47.21
+    # against 46.58), for a faster decode.
+    exact_head: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -101,7 +101,9 @@ def eval_ppl_main(argv: list[str]) -> int:
     args = _ppl_parser().parse_args(argv)
 
     async def run() -> PerplexityResult:
-        runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype)
+        # The checkpoint's own head: the figure measures the format, and the same text on the same
+        # file gives the same number on every path.
+        runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype, exact_head=True)
         async with Engine(engine_config(args.model, args.window, runtime)) as engine:
             token_ids = text_tokens(engine.tokenizer, args.text, args.tokens)
             return await perplexity(engine, token_ids, window=args.window)

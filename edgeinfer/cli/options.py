@@ -30,9 +30,12 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V cache format (overrides --kv-dtype)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
+    p.add_argument("--exact-head", action="store_true",
+                   help="exact logits for every token (the int4 CPU path otherwise recomputes only the 64 "
+                        "likeliest exactly: exact choices, approximate logprobs of unlikely tokens; slower decode)")
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                          k_dtype=args.k_dtype, v_dtype=args.v_dtype, num_threads=args.threads,
-                         cuda_graphs=args.cuda_graphs)
+                         cuda_graphs=args.cuda_graphs, exact_head=args.exact_head)

@@ -42,7 +42,7 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
         torch.set_num_threads(runtime.num_threads)
     backend = choose_backend(runtime.linear_path, device)
     # The quantized head with exact refinement only pays on the CPU int4 path.
-    head_format = "int4" if backend.linear_path == "int4_cpu" else "same"
+    head_format = "int4" if backend.linear_path == "int4_cpu" and not runtime.exact_head else "same"
     return LlamaModel(loaded.config, loaded.weights, backend, head_format=head_format,
                       take_weights=take_weights, kv_calibration_ids=calibration_ids(loaded.tokenizer))
 

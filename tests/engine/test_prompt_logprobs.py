@@ -126,3 +126,18 @@ def test_perplexity_windows_equal_transformers(loaded_model, model, hf_reference
     result = model_perplexity(model, loaded_model.tokenizer, token_ids, window=64)
     assert (result.num_windows, result.num_scored) == (3, 63 + 63 + 35)
     assert result.nll == pytest.approx(nll / result.num_scored, abs=TOLERANCE)
+
+
+def test_eval_ppl_scores_the_checkpoint_on_every_path(default_model_path, tmp_path, capsys) -> None:  # noqa: ANN001
+    """eval-ppl reads the checkpoint's own output layer on the int4 CPU path too (the served int4
+    copy would move the default model's figure by 1.3%), so the paths agree."""
+    from quant.cli import eval_ppl_main
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 12)
+    figures = []
+    for path in ("reference", "int4_cpu"):
+        args = ["--text", str(text), "--tokens", "384", "--window", "192", "--linear-path", path]
+        assert eval_ppl_main([str(default_model_path), *args]) == 0
+        figures.append(float(capsys.readouterr().out.split()[1]))
+    assert figures[1] == pytest.approx(figures[0], rel=1e-3)
