@@ -153,11 +153,11 @@ class ModelActor:
         rows: dict[int, list[tuple[tuple[int, ...], float, tuple]]] = {}  # seq index -> (tokens, logprob, top)
         failed: dict[int, str] = {}  # seq id -> why its row failed
         self._contained(plan, plain, rows, failed, lambda idx, out: self._sample_plain(
-            plan, idx, logits[[ends[i] - 1 for i in idx for _ in plan.seqs[i].choices]], out))
+            plan, idx, _rows(logits, [ends[i] - 1 for i in idx for _ in plan.seqs[i].choices]), out))
         self._contained(plan, drafted, rows, failed, lambda idx, out: self._verify_drafts(
             plan, idx, logits, ends, drafts, draft_probs, out))
         self._contained(plan, beams, rows, failed, lambda idx, out: self._beam_candidates(
-            plan, idx, logits[[ends[i] - 1 for i in idx]], out))
+            plan, idx, _rows(logits, [ends[i] - 1 for i in idx]), out))
         order = [(plan.seqs[i].seq_id, row) for i in sorted(rows) for row in rows[i]]
         seq_ids = tuple(seq_id for seq_id, _ in order)
         token_ids = tuple(t for _, (tokens, _, _) in order for t in tokens)
@@ -295,6 +295,12 @@ class ModelActor:
             token_ids, emitted = verify_sampled(draft_ids, num_drafts, probs, q, uniforms)
         for i, ids, n in zip(indices, token_ids.tolist(), emitted.tolist(), strict=True):
             rows[i] = [(tuple(ids[:n]), 0.0, ())]
+
+
+def _rows(logits: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """logits[indices], without the copy when that is every row in order (a plain decode step:
+    ~17 us of a 49152-token row)."""
+    return logits if indices == list(range(logits.shape[0])) else logits[indices]
 
 
 def _num_logits(s: SeqStep) -> int:

@@ -20,7 +20,14 @@ import torch
 from edgeinfer.core.messages import SeqStep
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
-from edgeinfer.worker.sampler import SamplingBatch, processed_logits, sample_from_probs, sampling_probs, seeded_uniform
+from edgeinfer.worker.sampler import (
+    SamplingBatch,
+    greedy_ids,
+    processed_logits,
+    sample_from_probs,
+    sampling_probs,
+    seeded_uniform,
+)
 
 # Counter stream of seeded draft draws; verification uses streams 1 and 2 (verify.verify_uniforms).
 DRAFT_STREAM = 3
@@ -61,7 +68,7 @@ class DraftModel:
                 [list(s.output_ids) + drafts[r] for r, s in zip(active, seqs_j, strict=True)], self.vocab_size,
                 self.eos_token_ids, choice_indices=[s.choices[0] for s in seqs_j], device=last.device)
             if greedy:
-                tokens = processed_logits(last, batch).argmax(dim=-1).tolist()
+                tokens = greedy_ids(processed_logits(last, batch)).tolist()
             else:
                 dist = sampling_probs(last, batch)
                 probs[active, j] = dist

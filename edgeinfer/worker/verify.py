@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from edgeinfer.worker.sampler import sample_from_probs, seeded_uniform
+from edgeinfer.worker.sampler import greedy_ids, sample_from_probs, seeded_uniform
 
 
 def verify_greedy(draft_ids: torch.Tensor, num_drafts: torch.Tensor,
@@ -31,7 +31,7 @@ def verify_greedy(draft_ids: torch.Tensor, num_drafts: torch.Tensor,
     """Greedy verification. draft_ids (B, K) int64, num_drafts (B,), target_logits (B, K+1, V).
     Returns (token_ids (B, K+1), num_emitted (B,)): row b emits token_ids[b, :num_emitted[b]],
     which is exactly what greedy decoding of the target would produce."""
-    target_ids = target_logits.argmax(dim=-1)  # (B, K+1)
+    target_ids = greedy_ids(target_logits)  # (B, K+1)
     num_accepted = _num_accepted((draft_ids == target_ids[:, :-1]), num_drafts)
     return target_ids, num_accepted + 1
 
