@@ -5,6 +5,7 @@ same prompt (cut from tinyshakespeare) of --prompt-tokens tokens, then --new-tok
 decode steps one token at a time. Prints a table with ratios against llama.cpp.
 
     python tools/bench_cpu.py [--prompt-tokens 256] [--new-tokens 128] [--threads 2] [--json]
+                              [--engines edgeinfer llama.cpp]
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2, help="runs per engine; the best is kept")
+    parser.add_argument("--engines", nargs="+", choices=("edgeinfer", "llama.cpp", "transformers"),
+                        default=["edgeinfer", "llama.cpp", "transformers"])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -118,7 +121,7 @@ def main() -> int:
         return 0
 
     rows: dict[str, dict] = {}
-    for name in ("edgeinfer", "llama.cpp", "transformers"):
+    for name in args.engines:
         runs = []
         for _ in range(args.repeat):
             run = (run_edgeinfer(args.model, args.prompt_tokens, args.new_tokens, args.threads)
