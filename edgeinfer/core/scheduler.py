@@ -136,7 +136,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
                     break  # it was the newest: every sequence after it is gone too
                 copies.extend(copy)
             steps.append(self._step(seq, budget, *self._drafts(seq, budget - 1, copies)))
-            budget -= len(steps[-1].token_ids)
+            budget -= len(steps[-1].token_ids) + steps[-1].model_drafts  # the model appends its drafts
             i += 1
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs and self._can_admit(self.waiting[0])):

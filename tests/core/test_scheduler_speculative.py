@@ -9,6 +9,7 @@ import torch
 from fake_runner import VOCAB, make, run_all, step
 
 from edgeinfer.core.events import Finished, Token
+from edgeinfer.core.messages import StepResult
 from edgeinfer.core.sampling_params import SamplingParams
 
 PERIOD = 5
@@ -95,3 +96,16 @@ def test_wide_batches_do_not_draft() -> None:
     out = run_all(sched, model)
     assert all(len(e.token_ids) == 1 for events in out.values() for e in events if isinstance(e, Token))
     assert [t for e in out["a"] if isinstance(e, Token) for t in e.token_ids] == expected(PROMPT, 20)
+
+
+def test_draft_model_rows_count_their_drafts_against_the_step_budget() -> None:
+    # The scheduler sends model_drafts = k and the model appends k tokens to the row: a step of
+    # 8 tokens holds a decode with 4 drafts (5 tokens) and one with 2 (3), not two with 4.
+    sched, _ = make(num_blocks=16, speculative="draft", max_num_batched_tokens=8, max_num_seqs=2)
+    for request_id, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        sched.add_request(request_id, prompt, GREEDY)
+    plan = sched.schedule()
+    sched.postprocess(plan, StepResult(plan.step_id, tuple(s.seq_id for s in plan.seqs), (7, 8)))
+    plan = sched.schedule()
+    assert [(len(s.token_ids), s.model_drafts, s.draft_feed) for s in plan.seqs] == [(1, 4, (7,)), (1, 2, (8,))]
+    assert sum(len(s.token_ids) + s.model_drafts for s in plan.seqs) == 8
