@@ -376,7 +376,7 @@ def _calibrated_layer(
             news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]))
         return news[name]
 
-    calibrator.run_layer(names[0][: _LAYER.match(names[0]).end()], quantize)
+    calibrator.run_layer(int(_LAYER.match(names[0]).group(1)), olds, quantize)
     for name in names:
         if name not in news:
             quantize(name, None)
