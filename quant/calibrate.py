@@ -151,11 +151,13 @@ class GPTQCalibrator:
     """
 
     def __init__(self, config: ModelConfig, token_ids: torch.Tensor) -> None:
-        self.config = config
+        seqlen = token_ids.shape[1]
+        if seqlen > config.max_position:
+            raise ValueError(f"calibration sequences of {seqlen} tokens exceed the model's context of "
+                             f"{config.max_position}; choose a smaller --calib-seqlen")
         self.token_ids = token_ids  # (num_seqs, seqlen)
         self.hidden: torch.Tensor | None = None
         self.decoder = LlamaLayers(config, choose_backend("reference"))
-        seqlen = token_ids.shape[1]
         num_blocks = -(-seqlen // CALIB_BLOCK_SIZE)
         self._pool = kv_pool(config, num_blocks, CALIB_BLOCK_SIZE, "fp32", "fp32", self.decoder.device)
         # Every sequence has the same positions, slots and block table, and a layer reads no token
@@ -176,7 +178,7 @@ class GPTQCalibrator:
         ``weights``: the layer's weights by full name ("model.layers.{index}.mlp.up_proj.weight"),
         as in the source. ``quantize(name, H)`` returns the stored weight for the linear ``name``
         given its input Hessian H; it is called in forward order, and the layer then runs with
-        what it returned. Norms run as in the source: their stored fp32 holds the same values.
+        what it returned. The norms run as in the source: stored as fp32, they keep its values.
         """
         if self.hidden is None:
             raise RuntimeError("set_embedding must be called before run_layer")

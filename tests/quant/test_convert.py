@@ -160,6 +160,15 @@ def test_gptq_conversion_end_to_end(tiny_src: Path, tmp_path: Path) -> None:
     assert max(report.errors.values()) < 0.3
 
 
+def test_calibration_sequences_longer_than_the_context_are_refused(tiny_src: Path, tmp_path: Path) -> None:
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    opts = ConvertOptions(weights="int4", calibrate="gptq", calib_data=str(text), calib_tokens=512, calib_seqlen=512)
+    with pytest.raises(ValueError, match="512 tokens exceed the model's context of 256"):
+        convert(tiny_src, tmp_path / "out", opts, **QUIET)
+    assert not (tmp_path / "out").exists()
+
+
 def test_options_are_validated() -> None:
     with pytest.raises(ValueError, match="--calib-data"):
         ConvertOptions(weights="int4", calibrate="gptq")
