@@ -58,7 +58,8 @@ FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
 
 # ``observe(layer, name, x)`` is shown, in forward order, each linear's input under the name of
 # its PreparedLayer field ("qkv", "o", "gate_up", "down") and the keys after RoPE ("keys",
-# (T, Hkv, D)): what calibration measures (GPTQ Hessians, key centres).
+# (T, Hkv, D)): what calibration measures (GPTQ Hessians, key centres). It may raise to end the
+# step there (GPTQ stops a layer at the input it wants); the K/V written so far stay in the pool.
 Observer = Callable[[int, str, torch.Tensor], None]
 
 
