@@ -11,27 +11,37 @@ Group parameters (int4 scale/min, int8 scale) are computed from the *updated* we
 group starts. We use static groups and no activation reordering (act-order), so the stored
 layout is exactly the round-to-nearest one and every kernel runs it unchanged.
 
-Inputs come from running the model layer by layer in plain torch (``GPTQCalibrator``) on
-``calibration_tokens`` sequences: "true sequential" GPTQ, each linear sees the outputs of the
-already-quantized linears before it. The decoder-layer math mirrors edgeinfer.models.llama
-(rotate-half RoPE, GQA, RMSNorm; a test checks the logits agree).
+Inputs come from the model's own forward (``GPTQCalibrator``): edgeinfer.models.llama's
+``LlamaLayers.decoder_layer`` runs one layer at a time on ``calibration_tokens`` sequences over
+a scratch KV pool, on the reference backend, and its observer hands over each linear's input.
+"True sequential" GPTQ: each linear sees the outputs of the already-quantized linears before it,
+in the layer too, so a layer runs once per group of linears that share an input (q/k/v, o,
+gate/up, down: models.weights.LINEAR_PARTS) and stops at that group's input, the group is
+quantized and swapped in, and a last run with every linear quantized gives the next layer's
+input. This module knows no layer math: a new architecture in the forward is calibrated as it
+runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
+from edgeinfer.models.llama import LlamaLayers
 from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.models.weights import LINEAR_PARTS, prepare_layer
+from edgeinfer.worker.batch import SeqChunk, build_batch
+from edgeinfer.worker.kv_pools import kv_pool
+from kernels.dispatch import choose_backend
 from quant.formats import QuantizedTensor, pack_int4
 
 Weight = torch.Tensor | QuantizedTensor
 GPTQ_BLOCK = 128
 GPTQ_DAMP = 0.01  # fraction of the mean Hessian diagonal added for a stable Cholesky
+CALIB_BLOCK_SIZE = 16  # KV block size of the scratch pool (any size works; the engine's)
 
 
 def calibration_tokens(tokenizer: Tokenizer, path: Path, num_tokens: int, seqlen: int) -> torch.Tensor:
@@ -136,65 +146,75 @@ class GPTQCalibrator:
     """Carries the calibration activations through the model one decoder layer at a time.
 
     Owns ``hidden`` (num_seqs, seqlen, hidden_size): the residual stream entering the next layer,
-    computed with the already-quantized weights.
+    computed with the already-quantized weights. The sequences run one at a time over one
+    scratch fp32 pool of ``seqlen`` tokens (each run writes its K/V before attending), so the
+    pool is one sequence's, not the whole calibration set's.
     """
 
     def __init__(self, config: ModelConfig, token_ids: torch.Tensor) -> None:
-        self.config = config
+        seqlen = token_ids.shape[1]
+        if seqlen > config.max_position:
+            raise ValueError(f"calibration sequences of {seqlen} tokens exceed the model's context of "
+                             f"{config.max_position}; choose a smaller --calib-seqlen")
         self.token_ids = token_ids  # (num_seqs, seqlen)
         self.hidden: torch.Tensor | None = None
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        freqs = torch.outer(torch.arange(token_ids.shape[1], dtype=torch.float64), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (seqlen, head_dim), rotate-half layout
-        self._cos, self._sin = emb.cos().float(), emb.sin().float()
+        self.decoder = LlamaLayers(config, choose_backend("reference"))
+        num_blocks = -(-seqlen // CALIB_BLOCK_SIZE)
+        self._pool = kv_pool(config, num_blocks, CALIB_BLOCK_SIZE, "fp32", "fp32", self.decoder.device)
+        # Every sequence has the same positions, slots and block table, and a layer reads no token
+        # ids: one batch serves them all.
+        chunk = SeqChunk(tuple(token_ids[0].tolist()), 0, tuple(range(num_blocks)))
+        _, self._batch = build_batch([chunk], CALIB_BLOCK_SIZE, self.decoder.device)
 
-    def set_embedding(self, embed: torch.Tensor) -> None:
-        self.hidden = embed[self.token_ids].float()
-
-    def _rope(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (S, heads, T, head_dim)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * self._cos + rotated * self._sin
-
-    def _attention(
-        self, x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor
-    ) -> torch.Tensor:
-        c = self.config
-        s, t, _ = x.shape
-        q = self._rope((x @ wq.t()).view(s, t, c.num_heads, c.head_dim).transpose(1, 2))
-        k = self._rope((x @ wk.t()).view(s, t, c.num_kv_heads, c.head_dim).transpose(1, 2))
-        v = (x @ wv.t()).view(s, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        rep = c.num_heads // c.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q,
-            k.repeat_interleave(rep, dim=1),
-            v.repeat_interleave(rep, dim=1),
-            is_causal=True,
-            scale=c.head_dim**-0.5,
-        )
-        return out.transpose(1, 2).reshape(s, t, c.num_heads * c.head_dim)
+    def set_embedding(self, embed: Weight) -> None:
+        rows = self.decoder.embed(embed, self.token_ids.flatten())
+        self.hidden = rows.view(*self.token_ids.shape, -1)
 
     @torch.no_grad()
-    def run_layer(self, prefix: str, quantize: Callable[[str, torch.Tensor | None], Weight]) -> None:
-        """Quantize one decoder layer (``prefix`` = "model.layers.{i}.") and advance ``hidden``.
+    def run_layer(
+        self, index: int, weights: Mapping[str, Weight], quantize: Callable[[str, torch.Tensor], Weight]
+    ) -> None:
+        """Quantize decoder layer ``index`` and advance ``hidden``.
 
-        ``quantize(name, H)`` returns the stored weight for ``name``; H is the input Hessian for
-        linear weights and None for norms. Calls go in forward order.
+        ``weights``: the layer's weights by full name ("model.layers.{index}.mlp.up_proj.weight"),
+        as in the source. ``quantize(name, H)`` returns the stored weight for the linear ``name``
+        given its input Hessian H; it is called in forward order, and the layer then runs with
+        what it returned. The norms run as in the source: stored as fp32, they keep its values.
         """
         if self.hidden is None:
             raise RuntimeError("set_embedding must be called before run_layer")
-        c = self.config
-        get = lambda part, h=None: _dense(quantize(f"{prefix}{part}.weight", h))  # noqa: E731
-        h = self.hidden
-        x = F.rms_norm(h, (c.hidden_size,), get("input_layernorm"), c.rms_norm_eps)
-        hx = hessian(x)
-        wq, wk, wv = (get(f"self_attn.{p}_proj", hx) for p in "qkv")
-        attn = self._attention(x, wq, wk, wv)
-        h = h + attn @ get("self_attn.o_proj", hessian(attn)).t()
-        x = F.rms_norm(h, (c.hidden_size,), get("post_attention_layernorm"), c.rms_norm_eps)
-        hx = hessian(x)
-        gate, up = get("mlp.gate_proj", hx), get("mlp.up_proj", hx)
-        act = F.silu(x @ gate.t()) * (x @ up.t())
-        self.hidden = h + act @ get("mlp.down_proj", hessian(act)).t()
+        prefix = f"model.layers.{index}."
+        # Dequantized once, not on every run: the values the reference backend runs them with.
+        current = {name: _dense(weight) for name, weight in weights.items()}
+        for linear, parts in LINEAR_PARTS.items():
+            h = hessian(self._run(index, current, watch=linear))
+            for part in parts:
+                name = f"{prefix}{part}.weight"
+                current[name] = _dense(quantize(name, h))
+        self.hidden = self._run(index, current)
+
+    def _run(self, index: int, weights: Mapping[str, Weight], watch: str | None = None) -> torch.Tensor:
+        """Layer ``index`` over every sequence: the inputs of the linear ``watch`` (num_seqs,
+        seqlen, K), or the layer's outputs when None."""
+        prefix = f"model.layers.{index}."
+        layer = prepare_layer(lambda part: weights[f"{prefix}{part}.weight"], self.decoder.backend)
+        seen: list[torch.Tensor] = []
+
+        def observe(_: int, name: str, x: torch.Tensor) -> None:
+            if name == watch:
+                seen.append(x)
+                raise _Seen
+
+        step = self.decoder.layer_step(self._batch, self._pool, observe if watch else None)
+        outputs = []
+        for h in self.hidden:
+            try:
+                outputs.append(self.decoder.decoder_layer(index, layer, h, step))
+            except _Seen:
+                continue
+        return torch.stack(seen if watch else outputs)
+
+
+class _Seen(Exception):
+    """Ends a run of a layer at the input it watches for: the rest of the layer would be thrown
+    away (a run for the q/k/v inputs stops after the norm, about halving calibration's forward)."""

@@ -15,7 +15,8 @@ A weight already in its target format (GGUF Q4_0/Q4_1 -> int4 g32, Q8_0 -> int8 
 bit for bit; anything else is dequantized to fp32 and quantized again, round-to-nearest, or with
 GPTQ (quant.calibrate) when ``--calibrate gptq``. The source is read one tensor at a time (GGUF
 memory-mapped, safetensors through safe_open) and handed to quant.checkpoint's streaming
-writer, so peak memory is about one layer (calibration: one layer plus its activations).
+writer, so peak memory is about one layer (calibration: one layer plus its activations and a
+KV pool of one calibration sequence).
 """
 
 from __future__ import annotations
@@ -376,7 +377,7 @@ def _calibrated_layer(
             news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]))
         return news[name]
 
-    calibrator.run_layer(names[0][: _LAYER.match(names[0]).end()], quantize)
+    calibrator.run_layer(int(_LAYER.match(names[0]).group(1)), olds, quantize)
     for name in names:
         if name not in news:
             quantize(name, None)

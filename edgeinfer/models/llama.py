@@ -1,28 +1,33 @@
 """Llama-family forward pass in plain torch over a paged KV cache.
 
-Holds the weights edgeinfer.models.weights prepares (once, at construction) for the
-kernels.dispatch.Backend it is given, hands that backend's flags to the kernels, and owns the
-RoPE tables and the KV transform (rotation, key centres). It reads and writes only the KV pool
-it is handed; it decides nothing about which sequences run. A step is a flattened,
-variable-length batch (BatchMeta): T new tokens from S sequences, each sequence's new tokens
-sitting at the end of its context.
+``LlamaLayers`` is the decoder's arithmetic for one config and kernels.dispatch.Backend: it owns
+the RoPE tables and the KV transform (rotation, key centres), hands the backend's flags to the
+kernels, and runs one decoder layer (``decoder_layer``) whose weights are passed in.
+``LlamaModel`` adds the weights edgeinfer.models.weights prepares (once, at construction) and
+runs the whole forward, every layer through that one method; GPTQ calibration
+(quant.calibrate) runs it on the layers it is quantizing, one at a time, and watches each
+linear's input through an observer. Both read and write only the KV pool they are handed and
+decide nothing about which sequences run. A step is a flattened, variable-length batch
+(BatchMeta): T new tokens from S sequences, each sequence's new tokens sitting at the end of its
+context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.models.weights import Weight, prepare_weights, row_reader, weight_rows
+from edgeinfer.models.weights import PreparedLayer, Weight, prepare_weights, row_reader, weight_rows
 from kernels import cpu_ops
 from kernels.dispatch import Backend, choose_backend, linear, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from quant.gguf_import import FileRows
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,139 @@ HEAD_REFINE_ROWS = 64
 FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
 
 
-class LlamaModel:
+# ``observe(layer, name, x)`` is shown, in forward order, each linear's input under the name of
+# its PreparedLayer field ("qkv", "o", "gate_up", "down") and the keys after RoPE ("keys",
+# (T, Hkv, D)): what calibration measures (GPTQ Hessians, key centres). It may raise to end the
+# step there (GPTQ stops a layer at the input it wants); the K/V written so far stay in the pool.
+Observer = Callable[[int, str, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """What every decoder layer of one step reads besides its weights (LlamaLayers.layer_step)."""
+
+    batch: BatchMeta
+    kv: KVPool
+    cos: torch.Tensor  # (T, 1, head_dim), RoPE at the step's positions
+    signed_sin: torch.Tensor  # (T, 1, head_dim)
+    key_centres: torch.Tensor | None  # (layers, Hkv, D), subtracted where the pool transforms keys
+    observe: Observer | None
+
+
+class LlamaLayers:
+    """The decoder's arithmetic for one config and backend; the weights come by argument."""
+
+    def __init__(self, config: ModelConfig, backend: Backend, scratch_numel: int = 0) -> None:
+        """``scratch_numel``: fp32 elements of the buffer the CPU int4/int8 prefill paths reuse for
+        their dequantized weights (kernels.dispatch.scratch_numel; too small: a buffer per call)."""
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        c = config
+        self._read_rows = row_reader(backend)
+        # One reused buffer for prefill's dequantized weights (the model runs on one thread).
+        self._scratch = torch.empty(scratch_numel, device=self.device)
+        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        # CUDA graphs hold the tables' addresses, so there they cover the whole context at once;
+        # the CPU grows them with the contexts it sees (the default model's 8192 positions: 4 MB).
+        rope_length = c.max_position if self.device.type == "cuda" else min(256, c.max_position)
+        self._cos, self._sin = self._rope_tables(rope_length)
+        self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
+        # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
+        self._cpu_norm = self.backend.cpu_ops
+        self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
+
+    @property
+    def linear_path(self) -> str:
+        return self.backend.linear_path
+
+    def _cover_positions(self, num_positions: int) -> None:
+        """Grow the RoPE tables (at least doubling, at most the model's context) to hold
+        ``num_positions``; positions past the context still fail where the tables are read."""
+        if num_positions > self._cos.shape[0] < self.config.max_position:
+            length = min(max(num_positions, 2 * self._cos.shape[0]), self.config.max_position)
+            self._cos, self._sin = self._rope_tables(length)
+
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(length, dtype=torch.float64), self._inv_freq)
+        # rotate_half(x) * sin == roll(x, half) * signed_sin with the first half negated: the
+        # sign lives in the table so RoPE is three ops per step for q and k together.
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (length, head_dim)
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return cos.float().to(self.device), signed_sin.float().to(self.device)
+
+    def embed(self, weight: Weight | FileRows, token_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering the first layer (T, hidden) fp32 from the embedding ``weight``."""
+        return weight_rows(weight, token_ids, self._read_rows)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._cpu_norm:
+            return cpu_ops.rms_norm(x, weight, self.config.rms_norm_eps)
+        return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # x: (T, heads, head_dim); cos/signed_sin: (T, 1, head_dim)
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+    def layer_step(self, batch: BatchMeta, kv: KVPool, observe: Observer | None = None) -> LayerStep:
+        """The per-step inputs of ``decoder_layer``, computed once for all layers of the step."""
+        self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
+        return LayerStep(batch, kv, self._cos[batch.positions].unsqueeze(1), self._sin[batch.positions].unsqueeze(1),
+                         self.key_centres if kv.transform_k else None, observe)
+
+    def decoder_layer(self, index: int, layer: PreparedLayer, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
+        """Layer ``index`` of a step with the weights ``layer``: the residual stream h (T, hidden)
+        in and out; the step's K/V are written into layer ``index`` of its pool."""
+        c, batch, kv, observe = self.config, step.batch, step.kv, step.observe
+        num_tokens = h.shape[0]
+        q_size = c.num_heads * c.head_dim
+        kv_size = c.num_kv_heads * c.head_dim
+        x = self._rms_norm(h, layer.input_norm)
+        if observe is not None:
+            observe(index, "qkv", x)
+        qkv = linear(x, layer.qkv, self._scratch)  # (T, (Hq + 2 Hkv) * D)
+        qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim),
+                        step.cos, step.signed_sin)
+        if observe is not None:
+            observe(index, "keys", qk[:, c.num_heads:])
+        if step.key_centres is not None:  # keys only: the shift is the same for every key of a query
+            qk = torch.cat([qk[:, :c.num_heads], qk[:, c.num_heads:] - step.key_centres[index]], dim=1)
+        # Quantized caches hold rotated vectors (kernels.kv_quant.kv_rotation): q and k turn
+        # together, v turns in and the attention output turns back.
+        rot = self._kv_rotation
+        if kv.transform_k:
+            qk = qk @ rot
+        q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
+        if kv.transform_v:
+            v = v.to(rot.dtype) @ rot  # v comes in the linear's dtype (bf16/fp16 on fast paths)
+        use_triton = self.backend.triton
+        kv.write(index, k, v, batch.slot_mapping, use_triton=use_triton)
+        scale = c.head_dim ** -0.5
+        if batch.is_decode:
+            attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
+                                          use_triton=use_triton, use_cpu_ops=self.backend.cpu_ops,
+                                          max_context_len=batch.max_context_len, seq_view=batch.seq_view)
+        else:
+            attn = paged_prefill_attention(q, kv, index, batch.block_tables, batch.context_lens,
+                                           batch.query_start_loc, scale, use_triton=use_triton)
+        if kv.transform_v:
+            attn = attn @ rot.t()
+        x = attn.reshape(num_tokens, q_size).to(h.dtype)
+        if observe is not None:
+            observe(index, "o", x)
+        h = h + linear(x, layer.o, self._scratch)
+        x = self._rms_norm(h, layer.post_norm)
+        if observe is not None:
+            observe(index, "gate_up", x)
+        gate, up = linear(x, layer.gate_up, self._scratch).chunk(2, dim=-1)
+        x = F.silu(gate) * up
+        if observe is not None:
+            observe(index, "down", x)
+        return h + linear(x, layer.down, self._scratch)
+
+
+class LlamaModel(LlamaLayers):
     """Prepared weights (edgeinfer.models.weights) + forward.
 
     With an int4 head ('int4' head_format) the HEAD_REFINE_ROWS highest logits of the coarse pass
@@ -72,28 +209,11 @@ class LlamaModel:
         the CPU). ``head_format`` and ``take_weights``: see edgeinfer.models.weights.
         ``kv_calibration_ids``: tokens whose mean keys centre quantized key caches
         (measured by edgeinfer.worker.kv_calibration.prepare_quantized_kv; none: keys not centred)."""
-        self.config = config
-        self.backend = backend or choose_backend()
-        self.device = self.backend.device
-        c = config
-        self.weights = prepare_weights(config, weights, self.backend, head_format, take_weights)
-        self._read_rows = row_reader(self.backend)
-        # One reused buffer for prefill's dequantized weights (the model runs on one thread).
-        self._scratch = torch.empty(scratch_numel(self.weights.linears()), device=self.device)
-        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-        # CUDA graphs hold the tables' addresses, so there they cover the whole context at once;
-        # the CPU grows them with the contexts it sees (the default model's 8192 positions: 4 MB).
-        rope_length = c.max_position if self.device.type == "cuda" else min(256, c.max_position)
-        self._cos, self._sin = self._rope_tables(rope_length)
-        self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
+        backend = backend or choose_backend()
+        prepared = prepare_weights(config, weights, backend, head_format, take_weights)
+        super().__init__(config, backend, scratch_numel(prepared.linears()))
+        self.weights = prepared
         self.kv_calibration_ids = tuple(kv_calibration_ids)
-        # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
-        self._cpu_norm = self.backend.cpu_ops
-        self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
-
-    @property
-    def linear_path(self) -> str:
-        return self.backend.linear_path
 
     @property
     def fused_steps(self) -> bool:
@@ -108,23 +228,8 @@ class LlamaModel:
             kv.k_dtype == kv.v_dtype and kv.k_dtype in FUSED_KV_DTYPES and \
             kv.transform_k == (kv.k_dtype not in PLAIN_DTYPES)
 
-    def _cover_positions(self, num_positions: int) -> None:
-        """Grow the RoPE tables (at least doubling, at most the model's context) to hold
-        ``num_positions``; positions past the context still fail where the tables are read."""
-        if num_positions > self._cos.shape[0] < self.config.max_position:
-            length = min(max(num_positions, 2 * self._cos.shape[0]), self.config.max_position)
-            self._cos, self._sin = self._rope_tables(length)
-
-    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(length, dtype=torch.float64), self._inv_freq)
-        # rotate_half(x) * sin == roll(x, half) * signed_sin with the first half negated: the
-        # sign lives in the table so RoPE is three ops per step for q and k together.
-        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (length, head_dim)
-        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-        return cos.float().to(self.device), signed_sin.float().to(self.device)
-
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return weight_rows(self.weights.embed, token_ids, self._read_rows)
+        return self.embed(self.weights.embed, token_ids)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         logits = linear(h, self.weights.head).float()
@@ -134,15 +239,6 @@ class LlamaModel:
         rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
         exact = torch.einsum("lh,lrh->lr", h.float(), rows)  # rows (L, R, hidden)
         return logits.scatter_(-1, top, exact)
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._cpu_norm:
-            return cpu_ops.rms_norm(x, weight, self.config.rms_norm_eps)
-        return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.rms_norm_eps)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        # x: (T, heads, head_dim); cos/signed_sin: (T, 1, head_dim)
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
     def _fused_step(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
         c = self.config
@@ -169,56 +265,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool,
-                key_sink: list[torch.Tensor] | None = None) -> torch.Tensor:
+                observe: Observer | None = None) -> torch.Tensor:
         """Logits (len(batch.logits_indices), vocab) in fp32 for the requested token rows.
-        ``key_sink`` collects each layer's keys after RoPE (calibration)."""
-        c = self.config
-        num_tokens = token_ids.shape[0]
-        self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
-        if key_sink is None and self.runs_fused(num_tokens, kv):
+        ``observe`` is shown each layer's activations (Observer); it takes the per-op forward,
+        the fused C++ step having no place to show them."""
+        if observe is None and self.runs_fused(token_ids.shape[0], kv):
+            self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
             return self._fused_step(token_ids, batch, kv)
-        q_size = c.num_heads * c.head_dim
-        kv_size = c.num_kv_heads * c.head_dim
-        scale = c.head_dim ** -0.5
-        num_qk_heads = c.num_heads + c.num_kv_heads
-        cos = self._cos[batch.positions].unsqueeze(1)
-        sin = self._sin[batch.positions].unsqueeze(1)
-        # Quantized caches hold rotated vectors (kernels.kv_quant.kv_rotation): q and k turn
-        # together, v turns in and the attention output turns back.
-        rotate_k, rotate_v = kv.transform_k, kv.transform_v
-        use_triton, use_cpu_ops = self.backend.triton, self.backend.cpu_ops
-        rot = self._kv_rotation
-        centres = self.key_centres if rotate_k else None
+        step = self.layer_step(batch, kv, observe)
         h = self.embed_tokens(token_ids)  # (T, hidden)
         for index, layer in enumerate(self.weights.layers):
-            x = self._rms_norm(h, layer.input_norm)
-            qkv = linear(x, layer.qkv, self._scratch)  # (T, (Hq + 2 Hkv) * D)
-            qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, c.head_dim), cos, sin)
-            if key_sink is not None:
-                key_sink.append(qk[:, c.num_heads:])
-            if centres is not None:  # keys only: the shift is the same for every key of a query
-                qk = torch.cat([qk[:, :c.num_heads], qk[:, c.num_heads:] - centres[index]], dim=1)
-            if rotate_k:
-                qk = qk @ rot
-            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-            v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
-            if rotate_v:
-                v = v.to(rot.dtype) @ rot  # v comes in the linear's dtype (bf16/fp16 on fast paths)
-            kv.write(index, k, v, batch.slot_mapping, use_triton=use_triton)
-            if batch.is_decode:
-                attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
-                                              use_triton=use_triton, use_cpu_ops=use_cpu_ops,
-                                              max_context_len=batch.max_context_len, seq_view=batch.seq_view)
-            else:
-                attn = paged_prefill_attention(q, kv, index, batch.block_tables, batch.context_lens,
-                                               batch.query_start_loc, scale, use_triton=use_triton)
-            if rotate_v:
-                attn = attn @ rot.t()
-            h = h + linear(attn.reshape(num_tokens, q_size).to(h.dtype), layer.o, self._scratch)
-            x = self._rms_norm(h, layer.post_norm)
-            gate_up = linear(x, layer.gate_up, self._scratch)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down, self._scratch)
-        h = self._rms_norm(h[batch.logits_indices], self.weights.norm)
-        return self._head(h)
-
+            h = self.decoder_layer(index, layer, h, step)
+        return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))

@@ -20,6 +20,7 @@ the refined head rows when tied) from the file (quant.gguf_import.FileRows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,17 @@ from quant.formats import QuantizedTensor, concat_rows, quantize_int4
 from quant.gguf_import import FileRows, LazyWeights, RowReader
 
 Weight = torch.Tensor | QuantizedTensor
+
+
+# The checkpoint weights ("model.layers.{i}.{part}.weight") behind each of a PreparedLayer's
+# linears, in the order the forward runs them; the parts of one linear share its input and are
+# fused into one weight.
+LINEAR_PARTS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
 
 
 @dataclass(frozen=True)
@@ -70,11 +82,7 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
     if head_format not in ("same", "int4"):
         raise ValueError(f"head_format must be 'same' or 'int4', got {head_format!r}")
     device = backend.device
-    prep = lambda w: prepare_linear(w, backend)  # noqa: E731
     get = weights.pop if take_weights else weights.__getitem__
-    # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
-    dense_dtype = torch.bfloat16 if backend.linear_path == "int4_cpu" else torch.float32
-    fuse = lambda parts: _fuse(parts, dense_dtype)  # noqa: E731
     # The head first: its int4 copy's build transient (~20 MB) then lands before the layers'
     # weights do, below the model's final size.
     embed_name = "model.embed_tokens.weight"
@@ -90,25 +98,32 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
         head = _quantize_head_int4(head, row_reader(backend))
     elif isinstance(head, FileRows):
         head = head.load()
-    prepared_head = prep(head)
+    prepared_head = prepare_linear(head, backend)
     del head  # the int4 copy's codes (14 MB) were repacked for the kernel
     trim_heap()
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        w = lambda name: get(p + name + ".weight")  # noqa: E731,B023
-        layers.append(PreparedLayer(
-            input_norm=_dense(w("input_layernorm"), device),
-            qkv=prep(fuse([w("self_attn.q_proj"), w("self_attn.k_proj"), w("self_attn.v_proj")])),
-            o=prep(w("self_attn.o_proj")),
-            post_norm=_dense(w("post_attention_layernorm"), device),
-            gate_up=prep(fuse([w("mlp.gate_proj"), w("mlp.up_proj")])),
-            down=prep(w("mlp.down_proj")),
-        ))
+        layers.append(prepare_layer(lambda name: get(p + name + ".weight"), backend))  # noqa: B023
         trim_heap()  # the layer's staging copies, before the next layer's land between them
     norm = _dense(get("model.norm.weight"), device)
     fused, fused_group = _fused_step_weights(layers, backend)
     return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused, fused_group)
+
+
+def prepare_layer(get: Callable[[str], Weight], backend: Backend) -> PreparedLayer:
+    """One decoder layer's weights, ``get(part)`` giving the checkpoint weight named
+    "model.layers.{i}.{part}.weight" (a LINEAR_PARTS part or a norm), read in the forward's order."""
+    device = backend.device
+    prep = lambda parts: prepare_linear(_fuse([get(part) for part in parts], backend), backend)  # noqa: E731
+    return PreparedLayer(
+        input_norm=_dense(get("input_layernorm"), device),
+        qkv=prep(LINEAR_PARTS["qkv"]),
+        o=prep(LINEAR_PARTS["o"]),
+        post_norm=_dense(get("post_attention_layernorm"), device),
+        gate_up=prep(LINEAR_PARTS["gate_up"]),
+        down=prep(LINEAR_PARTS["down"]),
+    )
 
 
 def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: RowReader | None) -> torch.Tensor:
@@ -142,12 +157,16 @@ def _fused_step_weights(layers: list[PreparedLayer], backend: Backend) -> tuple[
     return weights, groups.pop()
 
 
-def _fuse(weights: list[Weight], dense_dtype: torch.dtype) -> Weight:
-    """One weight for several projections of the same input (QKV, gate/up); parts that cannot be
-    concatenated quantized become one ``dense_dtype`` tensor."""
+def _fuse(weights: list[Weight], backend: Backend) -> Weight:
+    """One weight for several projections of the same input (QKV, gate/up; a single part as it
+    is); parts that cannot be concatenated quantized become one dense tensor."""
+    if len(weights) == 1:
+        return weights[0]
     if all(isinstance(w, QuantizedTensor) and w.format in ("int4", "int8") for w in weights):
         if len({(w.format, w.group_size) for w in weights}) == 1:  # type: ignore[union-attr]
             return concat_rows(weights)  # type: ignore[arg-type]
+    # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
+    dense_dtype = torch.bfloat16 if backend.linear_path == "int4_cpu" else torch.float32
     return torch.cat([w.dequantize(dense_dtype) if isinstance(w, QuantizedTensor) else w.to(dense_dtype)
                       for w in weights])
 

@@ -53,10 +53,14 @@ def prepare_quantized_kv(model: LlamaModel) -> None:
     ids = tuple(model.kv_calibration_ids[: c.max_position])
     num_blocks = -(-len(ids) // 16)
     pool = kv_pool(c, num_blocks, 16, "fp32", "fp32", model.device)
-    keys: list[torch.Tensor] = []  # layer by layer, chunk after chunk
+    keys: list[list[torch.Tensor]] = [[] for _ in range(c.num_layers)]  # per layer, chunk after chunk
+
+    def observe(layer: int, name: str, x: torch.Tensor) -> None:
+        if name == "keys":
+            keys[layer].append(x)
+
     for start in range(0, len(ids), CPU_PREFILL_CHUNK):  # bounded activations, as a prompt's prefill
         chunk = SeqChunk(ids[start:start + CPU_PREFILL_CHUNK], start, tuple(range(num_blocks)))
         token_ids, batch = build_batch([chunk], 16, model.device)
-        model.forward(token_ids, batch, pool, key_sink=keys)
-    model.key_centres = torch.stack([torch.cat(keys[layer::c.num_layers]).float().mean(dim=0)
-                                     for layer in range(c.num_layers)])
+        model.forward(token_ids, batch, pool, observe=observe)
+    model.key_centres = torch.stack([torch.cat(layer_keys).float().mean(dim=0) for layer_keys in keys])

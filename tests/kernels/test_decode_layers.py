@@ -242,3 +242,23 @@ def test_a_plain_pool_that_asks_for_the_kv_transform_takes_the_per_op_forward(mo
              for transform in (None, True)]
     assert model.runs_fused(1, pools[0])
     assert not model.runs_fused(1, pools[1])  # the C++ step rotates quantized caches only
+
+
+def test_an_observer_takes_the_per_op_forward(model: LlamaModel, per_op: LlamaModel) -> None:
+    """The fused step has nowhere to show activations: a forward with an observer (calibration)
+    runs per op, as the per-op model does, and shows each layer's linear inputs and keys in order."""
+    c = model.config
+    token_ids, batch = build_batch([SeqChunk(tuple(range(1, 12)), 0, (0, 1, 2))], BLOCK, model.device)
+
+    def run(m: LlamaModel, observe=None) -> torch.Tensor:
+        pool = KVPool(c.num_layers, 3, BLOCK, c.num_kv_heads, c.head_dim, "fp32", "fp32", m.device)
+        return m.forward(token_ids, batch, pool, observe=observe)
+
+    assert model.runs_fused(11, KVPool(c.num_layers, 3, BLOCK, c.num_kv_heads, c.head_dim, "fp32", "fp32"))
+    seen: list[tuple[int, str, tuple[int, ...]]] = []
+    observed = run(model, lambda layer, name, x: seen.append((layer, name, tuple(x.shape))))
+    torch.testing.assert_close(observed, run(per_op), rtol=0, atol=0)
+    q_size, inner = c.num_heads * c.head_dim, c.intermediate_size
+    shapes = {"qkv": (11, c.hidden_size), "keys": (11, c.num_kv_heads, c.head_dim), "o": (11, q_size),
+              "gate_up": (11, c.hidden_size), "down": (11, inner)}
+    assert seen == [(layer, name, shape) for layer in range(c.num_layers) for name, shape in shapes.items()]

@@ -93,12 +93,38 @@ def test_calibrator_forward_matches_model() -> None:
     calibrator = GPTQCalibrator(TINY, torch.tensor([token_ids]))
     calibrator.set_embedding(weights["model.embed_tokens.weight"])
     for i in range(TINY.num_layers):
-        calibrator.run_layer(f"model.layers.{i}.", lambda name, h: weights[name])
+        layer = {name: w for name, w in weights.items() if name.startswith(f"model.layers.{i}.")}
+        calibrator.run_layer(i, layer, lambda name, h: weights[name])
     h = torch.nn.functional.rms_norm(
         calibrator.hidden[0], (TINY.hidden_size,), weights["model.norm.weight"], TINY.rms_norm_eps
     )
     ours = h @ weights["model.embed_tokens.weight"].t()
     torch.testing.assert_close(ours, _reference_logits(TINY, weights, token_ids), atol=2e-4, rtol=1e-4)
+
+
+def test_calibration_feeds_each_linear_the_quantized_ones_before_it() -> None:
+    """True sequential, within a layer too: each linear's Hessian comes from inputs computed with
+    what ``quantize`` returned for the linears before it. A zero v_proj makes attention, so
+    o_proj's inputs, zero; a zero gate_proj makes SiLU(gate) * up, down_proj's inputs, zero."""
+    weights = tiny_weights()
+    calibrator = GPTQCalibrator(TINY, torch.tensor([list(range(5, 45)), list(range(50, 90))]))
+    calibrator.set_embedding(weights["model.embed_tokens.weight"])
+    prefix = "model.layers.0."
+    hessians: dict[str, torch.Tensor] = {}
+
+    def quantize(name: str, h: torch.Tensor) -> torch.Tensor:
+        hessians[name.removeprefix(prefix).removesuffix(".weight")] = h
+        zero = name.endswith(("v_proj.weight", "gate_proj.weight"))
+        return torch.zeros_like(weights[name]) if zero else weights[name]
+
+    calibrator.run_layer(0, {n: w for n, w in weights.items() if n.startswith(prefix)}, quantize)
+    assert list(hessians) == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert hessians["self_attn.q_proj"] is hessians["self_attn.v_proj"]  # one input, one Hessian
+    for name in ("self_attn.q_proj", "mlp.up_proj"):
+        assert hessians[name].diagonal().min() > 0, name
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert torch.count_nonzero(hessians[name]) == 0, name
 
 
 def test_gptq_beats_round_to_nearest() -> None:
@@ -132,6 +158,15 @@ def test_gptq_conversion_end_to_end(tiny_src: Path, tmp_path: Path) -> None:
     assert report.formats["model.layers.1.self_attn.o_proj.weight"] == "int4 g64"
     assert isinstance(loaded["model.layers.1.self_attn.o_proj.weight"], QuantizedTensor)
     assert max(report.errors.values()) < 0.3
+
+
+def test_calibration_sequences_longer_than_the_context_are_refused(tiny_src: Path, tmp_path: Path) -> None:
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    opts = ConvertOptions(weights="int4", calibrate="gptq", calib_data=str(text), calib_tokens=512, calib_seqlen=512)
+    with pytest.raises(ValueError, match="512 tokens exceed the model's context of 256"):
+        convert(tiny_src, tmp_path / "out", opts, **QUIET)
+    assert not (tmp_path / "out").exists()
 
 
 def test_options_are_validated() -> None:
