@@ -94,8 +94,6 @@ class LlamaLayers:
         rope_length = c.max_position if self.device.type == "cuda" else min(256, c.max_position)
         self._cos, self._sin = self._rope_tables(rope_length)
         self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
-        # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
-        self._cpu_norm = self.backend.cpu_ops
         self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
 
     @property
@@ -122,7 +120,8 @@ class LlamaLayers:
         return weight_rows(weight, token_ids, self._read_rows)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._cpu_norm:
+        # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
+        if self.backend.cpu_ops:
             return cpu_ops.rms_norm(x, weight, self.config.rms_norm_eps)
         return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.rms_norm_eps)
 
