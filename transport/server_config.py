@@ -42,7 +42,7 @@ class ServerConfig:
 
 
 class EngineLike(Protocol):
-    """What the server needs of edgeinfer.engine.api.Engine (and transport.echo_engine.EchoEngine)."""
+    """What the server needs of edgeinfer.engine.api.Engine (and the tests' EchoEngine, tests/echo_engine.py)."""
 
     def generate(self, request: Any) -> AsyncIterator[Event]: ...
 

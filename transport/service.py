@@ -20,7 +20,6 @@ from typing import Any
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from transport import auth, daemon
-from transport.echo_engine import EchoEngine
 from transport.server import Server, ServerConfig
 
 log = logging.getLogger("edgeinfer.service")
@@ -29,26 +28,19 @@ log = logging.getLogger("edgeinfer.service")
 @dataclass(frozen=True)
 class ServiceConfig:
     server: ServerConfig
-    model_path: str | None  # None with echo
+    model_path: str
     runtime: RuntimeConfig = RuntimeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    echo: bool = False  # serve transport.echo_engine instead of a model
     state_dir: str | None = None  # daemon mode
     draft_model_path: str | None = None  # with scheduler.speculative "draft"
 
 
 @contextlib.asynccontextmanager
-async def open_engine(model_path: str | None, runtime: RuntimeConfig, echo: bool = False,
-                      scheduler: SchedulerConfig | None = None,
+async def open_engine(model_path: str, runtime: RuntimeConfig, scheduler: SchedulerConfig | None = None,
                       draft_model_path: str | None = None) -> AsyncIterator[tuple[Any, str]]:
-    """(engine, model name), started; the echo engine needs no model."""
-    if echo:
-        async with EchoEngine(token_delay_s=0.01) as engine:
-            yield engine, "echo"
-        return
-    from edgeinfer.engine.api import Engine, EngineConfig  # loads torch: only when a model is served
+    """(engine, model name), started."""
+    from edgeinfer.engine.api import Engine, EngineConfig  # torch loads with the engine, not with the CLI
 
-    assert model_path is not None, "a model path is required unless echo is set"
     config = EngineConfig(str(model_path), runtime, scheduler or SchedulerConfig(), draft_model_path=draft_model_path)
     async with Engine(config) as engine:
         yield engine, Path(model_path).name
@@ -62,8 +54,8 @@ async def run_service(config: ServiceConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        log.info("loading %s", "the echo engine" if config.echo else config.model_path)
-        async with open_engine(config.model_path, config.runtime, config.echo, config.scheduler,
+        log.info("loading %s", config.model_path)
+        async with open_engine(config.model_path, config.runtime, config.scheduler,
                                config.draft_model_path) as (engine, name):
             async with Server(engine, config.server, name) as server:
                 if state_dir is not None:

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--draft-model", metavar="PATH",
                      help="speculative decoding with this model drafting (same vocabulary), e.g. the int4 "
                           "GGUF for an int8 or bf16 checkpoint of the same model")
-    add_runtime_args(gen)
+    add_runtime_args(gen, memory_budget=False)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="time prefill and greedy decode")
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--text", default=str(Path(__file__).resolve().parents[3] / "shared/data/tinyshakespeare.txt"),
                        help="text the prompt is cut from (falls back to synthetic ids)")
     bench.add_argument("--json", action="store_true")
-    add_runtime_args(bench)
+    add_runtime_args(bench, memory_budget=False)
     bench.set_defaults(func=cmd_bench)
 
     chat = sub.add_parser("chat", help="streaming chat in the terminal (uses the daemon when it runs)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
@@ -18,8 +19,29 @@ def model_path(arg: str | None) -> Path:
     return path if path.is_file() else pull()
 
 
-def add_runtime_args(p: argparse.ArgumentParser) -> None:
-    """The model and runtime flags every model-running subcommand shares."""
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def memory_size(text: str) -> tuple[int | None, float | None]:
+    """--kv-memory's value: (bytes, None) for "1.5GB", "512MiB", "800000000"; (None, fraction) for "10%"."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|[kmg]i?b|b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 1.5GB, 512MiB or 10%")
+    number, unit = float(match.group(1)), match.group(2) or ""
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise argparse.ArgumentTypeError(f"{text!r}: a percentage must be in (0, 100]")
+        return None, number / 100
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the KV cache needs more than 0 bytes")
+    return size, None
+
+
+def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> None:
+    """The model and runtime flags every model-running subcommand shares; ``memory_budget`` adds
+    --kv-memory, for the commands whose pool is sized from memory (generate and bench size theirs
+    to the one request they run)."""
     p.add_argument("--model", help="GGUF file, HF folder or edgeinfer checkpoint (default: the pulled default model)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
@@ -28,6 +50,10 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V cache format (overrides --kv-dtype)")
+    if memory_budget:
+        p.add_argument("--kv-memory", type=memory_size, default=(None, None), metavar="SIZE",
+                       help="memory for the KV cache: bytes (1.5GB, 512MiB) or a share of available memory "
+                            "(10%%); default 25%%")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
     p.add_argument("--exact-head", action="store_true",
@@ -36,6 +62,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
+    kv_bytes, kv_fraction = getattr(args, "kv_memory", (None, None))
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                          k_dtype=args.k_dtype, v_dtype=args.v_dtype, num_threads=args.threads,
-                         cuda_graphs=args.cuda_graphs, exact_head=args.exact_head)
+                         cuda_graphs=args.cuda_graphs, exact_head=args.exact_head,
+                         kv_memory_bytes=kv_bytes,
+                         kv_memory_fraction=kv_fraction or RuntimeConfig.kv_memory_fraction)

@@ -33,7 +33,6 @@ def _serve_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--draft-model", metavar="PATH",
                    help="speculative decoding with this model drafting (same vocabulary) while at most 2 "
                         "requests run, e.g. the int4 GGUF for an int8 or bf16 checkpoint of the same model")
-    p.add_argument("--echo", action="store_true", help="serve the model-free echo engine (testing clients)")
     p.add_argument("--max-connections", type=int, default=128)
     p.add_argument("--max-requests-per-connection", type=int, default=16)
     p.add_argument("--max-frame-bytes", type=int, default=1 << 20)
@@ -61,9 +60,9 @@ def serve_main(argv: list[str]) -> int:
                               allowed_origins=tuple(args.allow_origin))
         if args.draft_model and args.speculative != "off":
             raise ValueError("--speculative ngram and --draft-model are two drafters: choose one")
-        config = ServiceConfig(server, None if args.echo else str(model_path(args.model)), runtime_config(args),
+        config = ServiceConfig(server, str(model_path(args.model)), runtime_config(args),
                                SchedulerConfig(speculative="draft" if args.draft_model else args.speculative),
-                               echo=args.echo, state_dir=args.daemon_state,
+                               state_dir=args.daemon_state,
                                draft_model_path=str(model_path(args.draft_model)) if args.draft_model else None)
         return asyncio.run(run_service(config))
     except (ValueError, OSError, RuntimeError) as exc:  # bad flags, port in use, token file, daemon lock

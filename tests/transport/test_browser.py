@@ -16,9 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from echo_engine import EchoEngine
 from websockets.asyncio.client import connect as ws_connect
 
-from transport.echo_engine import EchoEngine
 from transport.server import Server, ServerConfig
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

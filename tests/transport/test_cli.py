@@ -85,3 +85,16 @@ def test_generate_errors_name_the_flags(default_model_path) -> None:
     assert result.returncode == 2 and "--num-results must be <= --beam-width=2" in result.stderr, result.stderr
     result = _edgeinfer("generate", "hi", "--top-p", "2", model=default_model_path)
     assert result.returncode == 2 and "--top-p must be in (0, 1], got 2.0" in result.stderr, result.stderr
+
+
+
+def test_kv_memory_budget(tmp_path) -> None:
+    """--kv-memory (serve, daemon, chat) is refused as typed when it is not a size, or when it
+    holds no block; generate, whose pool fits its one request, does not offer it."""
+    for value, message in (("lots", "'lots' is not a size"), ("0%", "must be in (0, 100]")):
+        result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--kv-memory", value],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "generate", "hi", "--kv-memory", "1GB"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "unrecognized arguments: --kv-memory" in result.stderr, result.stderr

@@ -1,6 +1,6 @@
 """transport.server with real websocket clients on 127.0.0.1: streaming, limits, auth, fuzzing, load.
 
-Most tests serve transport.echo_engine.EchoEngine (same events as the Engine, no model); the
+Most tests serve tests/echo_engine.EchoEngine (same events as the Engine, no model); the
 tests at the end serve the real default model when it is present and edgeinfer.engine.api exists.
 """
 
@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 import msgpack
 import pytest
+from echo_engine import EchoEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import TOKEN, http_get
@@ -21,7 +22,6 @@ from edgeinfer.core.events import SLOW_READER
 from edgeinfer.core.request import GenerateRequest
 from transport import protocol as wire
 from transport.client import ServerError, connect
-from transport.echo_engine import EchoEngine
 from transport.server import Server, ServerConfig
 
 

@@ -1,11 +1,11 @@
-"""EchoEngine: a model-free stand-in with the Engine's interface, for transport tests and clients.
+"""EchoEngine: a model-free test double with the Engine's interface, for the transport tests.
 
 `generate(request)` is an async iterator of the same events (edgeinfer.core.events) the real Engine
 yields, in the same order, with admission (a bounded waiting queue answered with `overloaded`),
 a toy block pool that a request holds until its stream ends or is closed, and a fixed delay per
 token. The answer is deterministic: the words of the prompt (or last chat message) echoed back,
-cycled up to max_tokens. `edgeinfer serve --echo` runs it, so the daemon, the web page and
-clients can be exercised without loading a model. The engine's own task alone writes its state.
+cycled up to max_tokens, so server tests can assert exact outputs and timing without a model.
+The engine's own task alone writes its state.
 """
 
 from __future__ import annotations
