@@ -15,6 +15,7 @@ attention kernels only read it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.kv_quant import (
@@ -37,23 +38,28 @@ def kv_bytes_per_token(
     return int(round(per_head * num_kv_heads * num_layers))
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost no memory until written, on the CPU: numpy's zeros is calloc, which maps a
+    large buffer from the OS's zero pages and commits a page only when it is first written (torch's
+    zeros writes every byte, so a 6 GB pool was 6 GB resident at start). Blocks the scheduler has
+    never handed out stay uncommitted, so idle RSS is the weights plus what requests have used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    start = -raw.data_ptr() % 64  # cache-line aligned, as torch's own allocator gives
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
 def _empty_cache(kv_dtype: str, shape: tuple[int, int, int, int], device: torch.device) -> QuantizedKV:
     n, b, h, d = shape
     if kv_dtype in PLAIN_DTYPES:
-        return QuantizedKV(kv_dtype, torch.zeros(shape, dtype=PLAIN_DTYPES[kv_dtype], device=device))
+        return QuantizedKV(kv_dtype, _zeros(shape, PLAIN_DTYPES[kv_dtype], device))
     if kv_dtype == "int8":
-        return QuantizedKV(
-            kv_dtype,
-            torch.zeros(shape, dtype=torch.int8, device=device),
-            torch.zeros((n, b, h), dtype=SCALE_DTYPE, device=device),
-        )
+        return QuantizedKV(kv_dtype, _zeros(shape, torch.int8, device), _zeros((n, b, h), SCALE_DTYPE, device))
     groups = (n, b, h, d // INT4_GROUP)
-    return QuantizedKV(
-        kv_dtype,
-        torch.zeros((n, b, h, d // 2), dtype=torch.uint8, device=device),
-        torch.zeros(groups, dtype=SCALE_DTYPE, device=device),
-        torch.zeros(groups, dtype=SCALE_DTYPE, device=device),
-    )
+    return QuantizedKV(kv_dtype, _zeros((n, b, h, d // 2), torch.uint8, device),
+                       _zeros(groups, SCALE_DTYPE, device), _zeros(groups, SCALE_DTYPE, device))
 
 
 def write_kv_cache_reference(

@@ -52,8 +52,8 @@ def num_kv_blocks(runtime: RuntimeConfig, bytes_per_block: int, device: torch.de
     if blocks < 1:
         held = f" after {reserved_bytes} bytes held for a worst-case step" if reserved_bytes else ""
         raise ValueError(f"a KV memory budget of {budget} bytes{held} holds no block of {bytes_per_block} "
-                         "bytes; give the KV cache more memory (--kv-memory, RuntimeConfig.kv_memory_bytes / "
-                         "kv_memory_fraction)")
+                         "bytes; give the KV cache more memory (--kv-memory; RuntimeConfig.kv_memory_bytes or "
+                         "kv_memory_fraction) or lower max_num_batched_tokens")
     return blocks
 
 
