@@ -11,6 +11,7 @@ from typing import Any
 
 LINEAR_PATHS = ("auto", "int4_cpu", "triton", "reference")
 DEVICES = ("cpu", "cuda", "auto")
+DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
@@ -82,10 +83,15 @@ class RuntimeConfig:
     kv_dtype: str = "auto"
     k_dtype: str | None = None
     v_dtype: str | None = None
-    num_kv_blocks: int | None = None  # fixed pool size; None: sized from the memory budget
-    kv_memory_fraction: float = 0.25  # of available memory, when num_kv_blocks is None
-    kv_memory_bytes: int | None = None  # overrides the fraction
-    max_model_len: int | None = None  # cap on context length; None: the model's own
+    # The KV pool, first that is set: a fixed count of blocks, a byte budget, a fraction of the
+    # memory available; else room for `parallel` sequences of the full context (the memory plan).
+    num_kv_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    # The longest sequence (prompt + output) admission accepts, --ctx; None: the model's own,
+    # capped at DEFAULT_CONTEXT (a 128k-context model would otherwise plan gigabytes per sequence).
+    max_model_len: int | None = None
+    parallel: int = 4  # full-context sequences the default pool holds (short ones share it, paged)
     cuda_graphs: bool = False  # replay pure-decode steps as CUDA graphs (CUDA only; ignored on the CPU)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode batches padded up to the nearest
     # The checkpoint's own output layer for every logit. Off, the int4 CPU path keeps an int4 copy
@@ -109,8 +115,14 @@ class RuntimeConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if not 0 < self.kv_memory_fraction <= 1:
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        for name in ("max_model_len", "parallel"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         object.__setattr__(self, "graph_batch_sizes", tuple(self.graph_batch_sizes))
@@ -119,6 +131,17 @@ class RuntimeConfig:
         ):
             raise ValueError(f"graph_batch_sizes must be a non-empty tuple of positive ints, "
                              f"got {self.graph_batch_sizes}")
+
+    def context_length(self, model_max_position: int) -> int:
+        """The longest sequence served: max_model_len, else the model's context capped at
+        DEFAULT_CONTEXT. Longer than the model's context is refused: positions it was never
+        trained on give answers nobody can vouch for."""
+        if self.max_model_len is None:
+            return min(DEFAULT_CONTEXT, model_max_position)
+        if self.max_model_len > model_max_position:
+            raise ValueError(f"a context of {self.max_model_len} tokens (--ctx) is longer than the model's own "
+                             f"({model_max_position} tokens)")
+        return self.max_model_len
 
     @property
     def key_dtype(self) -> str:

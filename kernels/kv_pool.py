@@ -15,6 +15,8 @@ attention kernels only read it.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -39,16 +41,16 @@ def kv_bytes_per_token(
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros that cost no memory until written, on the CPU: numpy's zeros is calloc, which maps a
-    large buffer from the OS's zero pages and commits a page only when it is first written (torch's
-    zeros writes every byte, so a 6 GB pool was 6 GB resident at start). Blocks the scheduler has
-    never handed out stay uncommitted, so idle RSS is the weights plus what requests have used."""
+    """Zeros that cost no memory until written, on the CPU: an anonymous mapping of the OS's zero
+    pages, committed a page at a time as blocks are first written (torch's zeros writes every byte,
+    so a 6 GB pool was 6 GB resident at start; calloc does the same below glibc's mmap threshold).
+    Blocks the scheduler has never handed out stay uncommitted: idle RSS is the weights plus what
+    requests have used. Page-aligned, so cache-line aligned as torch's own allocator gives."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
-    start = -raw.data_ptr() % 64  # cache-line aligned, as torch's own allocator gives
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    # frombuffer keeps the mapping alive as long as the tensor (and its views) live.
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 def _empty_cache(kv_dtype: str, shape: tuple[int, int, int, int], device: torch.device) -> QuantizedKV:

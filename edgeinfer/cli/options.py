@@ -6,7 +6,7 @@ import argparse
 import re
 from pathlib import Path
 
-from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig
+from edgeinfer.config import DEFAULT_CONTEXT, KV_DTYPES, LINEAR_PATHS, RuntimeConfig
 
 
 def model_path(arg: str | None) -> Path:
@@ -38,10 +38,20 @@ def memory_size(text: str) -> tuple[int | None, float | None]:
     return size, None
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> None:
     """The model and runtime flags every model-running subcommand shares; ``memory_budget`` adds
-    --kv-memory, for the commands whose pool is sized from memory (generate and bench size theirs
-    to the one request they run)."""
+    the memory plan's --ctx, --parallel and --kv-memory, for the commands that serve many requests
+    (generate and bench size their pool to the one request they run)."""
     p.add_argument("--model", help="GGUF file, HF folder or edgeinfer checkpoint (default: the pulled default model)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
@@ -51,9 +61,15 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")
     p.add_argument("--v-dtype", default=None, choices=KV_DTYPES, help="V cache format (overrides --kv-dtype)")
     if memory_budget:
+        p.add_argument("--ctx", type=positive_int, default=None, metavar="TOKENS",
+                       help=f"longest sequence (prompt + answer) served (default: the model's context, at most "
+                            f"{DEFAULT_CONTEXT})")
+        p.add_argument("--parallel", type=positive_int, default=RuntimeConfig.parallel, metavar="N",
+                       help="full-length sequences the KV cache holds; shorter ones share it, more of them at "
+                            "once (default: %(default)s)")
         p.add_argument("--kv-memory", type=memory_size, default=(None, None), metavar="SIZE",
-                       help="memory for the KV cache: bytes (1.5GB, 512MiB) or a share of available memory "
-                            "(10%%); default 25%%")
+                       help="size the KV cache by memory instead of --ctx x --parallel: bytes (1.5GB, 512MiB) or "
+                            "a share of available memory (10%%)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
     p.add_argument("--exact-head", action="store_true",
@@ -63,8 +79,8 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
 
 def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     kv_bytes, kv_fraction = getattr(args, "kv_memory", (None, None))
+    pool = {"max_model_len": args.ctx, "parallel": args.parallel} if hasattr(args, "ctx") else {}
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                          k_dtype=args.k_dtype, v_dtype=args.v_dtype, num_threads=args.threads,
                          cuda_graphs=args.cuda_graphs, exact_head=args.exact_head,
-                         kv_memory_bytes=kv_bytes,
-                         kv_memory_fraction=kv_fraction or RuntimeConfig.kv_memory_fraction)
+                         kv_memory_bytes=kv_bytes, kv_memory_fraction=kv_fraction, **pool)

@@ -42,6 +42,7 @@ from edgeinfer.engine.scheduler_actor import EngineStats, SchedulerActor, Submit
 from edgeinfer.models.loader import load_model
 from edgeinfer.models.tokenizer import Tokenizer
 from edgeinfer.worker.build import build_runners
+from edgeinfer.worker.memory_plan import MemoryPlan
 from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import sample
 
@@ -84,7 +85,7 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self._model_config: ModelConfig | None = None
         self._scheduler_config = config.scheduler
-        self._max_model_len = config.runtime.max_model_len
+        self._max_model_len: int | None = None  # from_runner's; else the runtime's context_length
         self._sampler: Sampler = sample
         self._health = Health("starting")
         self._consecutive_failures = 0  # model steps failed since the last one that succeeded
@@ -111,6 +112,11 @@ class Engine:
     def tokenizer(self) -> Tokenizer:
         assert self._tokenizer is not None, "the engine is not started"
         return self._tokenizer
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """What the model holds (weights, KV pool, context); None for a runner built elsewhere."""
+        return getattr(self._runner, "memory_plan", None)
 
     @property
     def linear_path(self) -> str | None:
@@ -144,7 +150,8 @@ class Engine:
                              f"the target pool's blocks ({pool.num_blocks} x {pool.block_size})")
         scheduler = Scheduler(
             self._scheduler_config, num_blocks=pool.num_blocks, block_size=pool.block_size,
-            max_model_len=min(c.max_position, self._max_model_len or c.max_position),
+            max_model_len=self.config.runtime.context_length(c.max_position) if self._max_model_len is None
+            else min(c.max_position, self._max_model_len),
             vocab_size=c.vocab_size, eos_token_ids=c.eos_token_ids,
             bytes_per_token=pool.bytes_per_token() + (draft.pool.bytes_per_token() if draft is not None else 0),
             make_detokenizer=self._tokenizer.detokenizer,

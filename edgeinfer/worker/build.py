@@ -20,6 +20,7 @@ from edgeinfer.models.loader import LoadedModel
 from edgeinfer.worker.device_memory import num_kv_blocks, worst_case_step_bytes
 from edgeinfer.worker.kv_calibration import calibration_ids
 from edgeinfer.worker.kv_pools import bytes_per_token, kv_pool
+from edgeinfer.worker.memory_plan import MemoryPlan, tensor_bytes
 from edgeinfer.worker.model_runner import ModelRunner
 from kernels.dispatch import choose_backend
 
@@ -77,16 +78,16 @@ def build_runners(loaded: LoadedModel, runtime: RuntimeConfig, step_tokens: int 
     per_token = sum(bytes_per_token(m.config, k_dtype, v_dtype) for m in models)
     # The draft model's steps run before the target's, one at a time: the larger peak is held back.
     step_bytes = max(worst_case_step_bytes(m, runtime, step_tokens, step_seqs) for m in models)
+    context = runtime.context_length(loaded.config.max_position)
     # Measured after the weights are on the device, so the budget is what is really left.
-    blocks = num_kv_blocks(runtime, per_token * bs, model.device, reserved_bytes=step_bytes)
+    blocks = num_kv_blocks(runtime, per_token * bs, model.device, reserved_bytes=step_bytes, context=context)
     runners = [ModelRunner(m, kv_pool(m.config, blocks, bs, k_dtype, v_dtype, m.device), bs,
                            graph_batch_sizes=graph_batch_sizes(runtime),
                            activation_bytes_per_token=-(-step_bytes // step_tokens)) for m in models]
-    log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token over all layers "
-             "(K %s, V %s, %s, linear path %s%s)", blocks, bs, blocks * bs,
-             sum(r.pool.nbytes() for r in runners) / 2**20, per_token, k_dtype, v_dtype, model.device,
-             model.linear_path, ", draft model's pool included" if draft_model is not None else "")
-    if step_bytes:
-        log.info("a worst-case step (%d tokens) peaked at %.1f MiB of activations, held back from the pool",
-                 step_tokens, step_bytes / 2**20)
+    plan = MemoryPlan(device=str(model.device), weight_bytes=sum(tensor_bytes(m.weights) for m in models),
+                      kv_bytes=sum(r.pool.nbytes() for r in runners), kv_tokens=blocks * bs, k_dtype=k_dtype,
+                      v_dtype=v_dtype, context=context, activation_bytes=step_bytes)
+    runners[0].memory_plan = plan
+    log.info("memory plan: %s; linear path %s%s", plan.describe(), model.linear_path,
+             ", a draft model's weights and pool included" if draft_model is not None else "")
     return runners[0], (runners[1] if len(runners) > 1 else None)

@@ -21,6 +21,8 @@ from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.kv_calibration import prepare_quantized_kv
 from edgeinfer.worker.kv_pools import kv_pool
 
+MB = 10**6
+
 
 def available_memory_bytes(device: torch.device) -> int:
     """Memory a KV pool may take from: free device memory on CUDA, available RAM on the CPU."""
@@ -39,21 +41,33 @@ def free_step_bytes(device: torch.device) -> int | None:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def num_kv_blocks(runtime: RuntimeConfig, bytes_per_block: int, device: torch.device, reserved_bytes: int = 0) -> int:
-    """Blocks that fit the budget: a fixed count, a byte budget, or a fraction of what is free
-    once ``reserved_bytes`` (a worst-case step's activations) are held back."""
+def num_kv_blocks(runtime: RuntimeConfig, bytes_per_block: int, device: torch.device, reserved_bytes: int = 0,
+                  context: int | None = None) -> int:
+    """Blocks of the pool: a fixed count, a byte budget, a fraction of what is free once
+    ``reserved_bytes`` (a worst-case step's activations) are held back, else room for
+    ``runtime.parallel`` sequences of ``context`` tokens, refused when that is more than is free."""
     if runtime.num_kv_blocks is not None:
         return runtime.num_kv_blocks
-    if runtime.kv_memory_bytes is not None:
-        budget = runtime.kv_memory_bytes
-    else:
+    held = f" after {reserved_bytes / MB:,.0f} MB held for a worst-case step" if reserved_bytes else ""
+    if runtime.kv_memory_bytes is not None:  # the user's word: no measurement, no reserve
+        budget, held = runtime.kv_memory_bytes, ""
+    elif runtime.kv_memory_fraction is not None:
         budget = int(max(0, available_memory_bytes(device) - reserved_bytes) * runtime.kv_memory_fraction)
+    else:
+        assert context is not None, "the context length sizes the default pool"
+        blocks = -(-context // runtime.block_size) * runtime.parallel
+        free = max(0, available_memory_bytes(device) - reserved_bytes)
+        if blocks * bytes_per_block > free:
+            raise ValueError(f"a KV cache for {runtime.parallel} sequences (--parallel) of {context} tokens "
+                             f"(--ctx) needs {blocks * bytes_per_block / MB:,.0f} MB, but {free / MB:,.0f} MB "
+                             f"are available{held}; lower --ctx or --parallel, or store it as int8 "
+                             "(--kv-dtype int8)")
+        return blocks
     blocks = budget // bytes_per_block
     if blocks < 1:
-        held = f" after {reserved_bytes} bytes held for a worst-case step" if reserved_bytes else ""
-        raise ValueError(f"a KV memory budget of {budget} bytes{held} holds no block of {bytes_per_block} "
-                         "bytes; give the KV cache more memory (--kv-memory; RuntimeConfig.kv_memory_bytes or "
-                         "kv_memory_fraction) or lower max_num_batched_tokens")
+        raise ValueError(f"a KV memory budget of {budget / MB:,.3f} MB{held} holds no block of "
+                         f"{bytes_per_block / MB:,.3f} MB; give the KV cache more memory (--kv-memory; "
+                         "RuntimeConfig.kv_memory_bytes or kv_memory_fraction) or lower max_num_batched_tokens")
     return blocks
 
 

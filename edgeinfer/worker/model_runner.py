@@ -20,6 +20,7 @@ from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.cuda_graphs import DecodeGraphs
 from edgeinfer.worker.device_memory import free_step_bytes
 from edgeinfer.worker.kv_calibration import prepare_quantized_kv
+from edgeinfer.worker.memory_plan import MemoryPlan
 from kernels.kv_pool import KVPool
 
 
@@ -44,6 +45,7 @@ class ModelRunner:
         self.pool = pool
         self.block_size = block_size
         self.activation_bytes_per_token = activation_bytes_per_token
+        self.memory_plan: MemoryPlan | None = None  # set by edgeinfer.worker.build for a served model
         if pool.transform_k:
             prepare_quantized_kv(model)  # before the first key is written (or graph captured)
         self.graphs: DecodeGraphs | None = None

@@ -23,3 +23,18 @@ def test_auto_kv_is_fp16_except_on_the_exact_reference_path() -> None:
 def test_bad_kv_formats_name_the_field(field: str, value: str) -> None:
     with pytest.raises(ValueError, match=f"{field} must be .*got '{value}'"):
         RuntimeConfig(**{field: value})
+
+
+def test_context_length_and_the_pool_options() -> None:
+    """--ctx defaults to the model's context capped at 8192, may shorten it, may not lengthen it;
+    every size must be positive and is named when it is not."""
+    assert RuntimeConfig().context_length(2048) == 2048
+    assert RuntimeConfig().context_length(131072) == 8192
+    assert RuntimeConfig(max_model_len=512).context_length(131072) == 512
+    with pytest.raises(ValueError, match=r"a context of 4096 tokens \(--ctx\) is longer than the model's own \(2048"):
+        RuntimeConfig(max_model_len=4096).context_length(2048)
+    for field in ("max_model_len", "parallel", "kv_memory_bytes"):
+        with pytest.raises(ValueError, match=f"{field} must be positive, got 0"):
+            RuntimeConfig(**{field: 0})
+    with pytest.raises(ValueError, match=r"kv_memory_fraction must be in \(0, 1\], got 1.5"):
+        RuntimeConfig(kv_memory_fraction=1.5)

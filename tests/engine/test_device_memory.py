@@ -29,8 +29,14 @@ def test_pool_is_sized_from_what_the_worst_case_step_leaves(monkeypatch: pytest.
     runtime = RuntimeConfig(kv_memory_fraction=0.5)
     assert device_memory.num_kv_blocks(runtime, MIB, cpu) == 500
     assert device_memory.num_kv_blocks(runtime, MIB, cpu, reserved_bytes=200 * MIB) == 400
-    with pytest.raises(ValueError, match=r"after 1048576000 bytes held for a worst-case step.*max_num_batched_tokens"):
+    with pytest.raises(ValueError, match=r"after 1,049 MB held for a worst-case step.*max_num_batched_tokens"):
         device_memory.num_kv_blocks(runtime, MIB, cpu, reserved_bytes=1000 * MIB)
+    # The default: --parallel sequences of --ctx tokens, refused with the figures when it does not fit.
+    plan = RuntimeConfig(parallel=3, block_size=16)
+    assert device_memory.num_kv_blocks(plan, MIB, cpu, context=1000) == 63 * 3
+    with pytest.raises(ValueError, match=r"3 sequences \(--parallel\) of 8192 tokens \(--ctx\) needs 1,611 MB, "
+                                         r"but 839 MB are available after 210 MB held"):
+        device_memory.num_kv_blocks(plan, MIB, cpu, reserved_bytes=200 * MIB, context=8192)
     # A fixed count or byte budget is the user's word: no measurement, no reserve.
     assert device_memory.num_kv_blocks(RuntimeConfig(num_kv_blocks=7), MIB, cpu, reserved_bytes=10**12) == 7
     assert device_memory.num_kv_blocks(RuntimeConfig(kv_memory_bytes=3 * MIB), MIB, cpu, 10**12) == 3
@@ -144,6 +150,9 @@ def test_cpu_pool_commits_memory_only_where_written(kv_dtype: str) -> None:
 
     from kernels.kv_pool import KVPool
 
+    k, v = torch.randn(5, 3, 64), torch.randn(5, 3, 64)
+    slots = torch.tensor([0, 1, 17, 4000, 65535], dtype=torch.int32)
+    KVPool(1, 4096, 16, 3, 64, kv_dtype, kv_dtype, "cpu").write(0, k, v, slots)  # torch's one-time set-up
     process = psutil.Process()
     before = process.memory_info().rss
     pool = KVPool(30, 4096, 16, 3, 64, kv_dtype, kv_dtype, "cpu")
@@ -151,7 +160,39 @@ def test_cpu_pool_commits_memory_only_where_written(kv_dtype: str) -> None:
     assert process.memory_info().rss - before < 32 * MIB
     for cache in (pool.k_caches[0], pool.v_caches[-1]):
         for part in cache.tensors():
-            assert part.data_ptr() % 64 == 0 and not part.view(torch.uint8).any()
-    k, v = torch.randn(5, 3, 64), torch.randn(5, 3, 64)
-    pool.write(0, k, v, torch.tensor([0, 1, 17, 4000, 65535], dtype=torch.int32))
+            flat = part.view(-1).view(torch.uint8)  # the first and last blocks: .any() of all would commit it
+            assert part.data_ptr() % 64 == 0 and not flat[:4096].any() and not flat[-4096:].any()
+    pool.write(0, k, v, slots)
     assert process.memory_info().rss - before < 32 * MIB
+
+
+def test_engine_memory_plan_is_the_pool_it_built(default_model_path) -> None:  # noqa: ANN001
+    """--ctx x --parallel sizes the pool, the plan printed at start describes that pool, and
+    admission refuses what the plan has no room for, naming the context."""
+    import anyio
+
+    from edgeinfer.core.events import Error
+    from edgeinfer.core.request import GenerateRequest
+    from edgeinfer.engine.api import Engine, EngineConfig
+
+    async def main() -> None:
+        runtime = RuntimeConfig(max_model_len=1000, parallel=3, kv_dtype="int8")
+        async with Engine(EngineConfig(str(default_model_path), runtime)) as engine:
+            plan = engine.memory_plan
+            pool = engine._runner.pool
+            assert (plan.context, plan.kv_tokens) == (1000, 63 * 16 * 3) == (1000, pool.num_slots)
+            assert plan.kv_bytes == pool.nbytes() and plan.k_dtype == plan.v_dtype == "int8"
+            assert 60e6 < plan.weight_bytes < 100e6  # int4 weights; the embedding is read from the file
+            assert plan.describe().startswith(f"weights {plan.weight_bytes / 1e6:,.0f} MB, KV cache int8 ")
+            assert "3.02 x 1000-token sequences (cpu)" in plan.describe()
+            async def last(prompt_tokens: int) -> object:
+                request = GenerateRequest("r", prompt_token_ids=(1,) * prompt_tokens,
+                                          params=SamplingParams(max_tokens=20, ignore_eos=True))
+                return [e async for e in engine.generate(request)][-1]
+
+            refused = await last(1000)
+            assert isinstance(refused, Error) and refused.code == "prompt_too_long" and "1000" in refused.message
+            ended = await last(990)  # the answer stops where the context ends
+            assert ended.finish_reason == "length" and ended.usage.completion_tokens == 10
+
+    anyio.run(main)

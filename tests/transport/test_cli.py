@@ -88,11 +88,14 @@ def test_generate_errors_name_the_flags(default_model_path) -> None:
 
 
 
-def test_kv_memory_budget(tmp_path) -> None:
-    """--kv-memory (serve, daemon, chat) is refused as typed when it is not a size, or when it
-    holds no block; generate, whose pool fits its one request, does not offer it."""
-    for value, message in (("lots", "'lots' is not a size"), ("0%", "must be in (0, 100]")):
-        result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--kv-memory", value],
+def test_memory_plan_flags() -> None:
+    """--ctx, --parallel and --kv-memory (serve, daemon, chat) are refused as typed when they are
+    not sizes; generate, whose pool fits its one request, does not offer them."""
+    for flag, value, message in (("--kv-memory", "lots", "'lots' is not a size"),
+                                 ("--kv-memory", "0%", "must be in (0, 100]"),
+                                 ("--ctx", "0", "argument --ctx: must be positive, got 0"),
+                                 ("--parallel", "two", "argument --parallel: 'two' is not a whole number")):
+        result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", flag, value],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr, result.stderr
     result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "generate", "hi", "--kv-memory", "1GB"],
