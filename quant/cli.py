@@ -73,6 +73,9 @@ def quantize_main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors
         print(f"edgeinfer quantize: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the checkpoint is written to a temporary folder and renamed at the end
+        print(f"\nedgeinfer quantize: interrupted; {args.dst} was not written", file=sys.stderr)
+        return 130
     print(f"wrote {report.dst} ({len(report.errors)} weights, {report.seconds:.1f} s)")
     return 0
 
@@ -85,8 +88,9 @@ def _ppl_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=DEFAULT_TEXT, help=f"text file (default {DEFAULT_TEXT})")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text to score (default 4096)")
     p.add_argument("--window", type=int, default=512, help="window length (default 512)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32")
-    p.add_argument("--linear-path", choices=LINEAR_PATHS, default="reference")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32", help="K and V cache format (default fp32)")
+    p.add_argument("--linear-path", choices=LINEAR_PATHS, default="reference",
+                   help="linear kernels (default reference: exact fp32, the figure measures the weights alone)")
     return p
 
 
@@ -114,6 +118,9 @@ def eval_ppl_main(argv: list[str]) -> int:
     except (ValueError, OSError, ModelFileError) as exc:
         print(f"edgeinfer eval-ppl: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nedgeinfer eval-ppl: interrupted", file=sys.stderr)
+        return 130
     print(
         f"perplexity {result.perplexity:.4f} (nll {result.nll:.5f}, {result.num_scored} tokens in "
         f"{result.num_windows} windows of {args.window}, kv {args.kv_dtype}, "

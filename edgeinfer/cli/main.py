@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgeinfer.cli.options import add_runtime_args, model_path, runtime_config
+from edgeinfer.cli.options import HelpFormatter, add_runtime_args, model_path, runtime_config, version
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.host_memory import return_large_frees_to_the_os
 
@@ -90,6 +90,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     from edgeinfer.core.sampling_params import SamplingParams
 
     if not args.beam_width:
+        if args.num_results != 1:
+            raise ValueError("--num-results chooses among beam search's results: give --beam-width too")
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
@@ -177,6 +179,66 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return chat_main(args)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The `edgeinfer` parser and its subcommands (serve, daemon, quantize and eval-ppl parse their own)."""
+    parser = argparse.ArgumentParser(prog="edgeinfer", description="Quantized LLM inference at the edge.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"edgeinfer {version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("pull", help="fetch the default model into the cache",
+                   formatter_class=HelpFormatter).set_defaults(func=cmd_pull)
+
+    gen = sub.add_parser("generate", help="complete one prompt; prints only the completion",
+                         formatter_class=HelpFormatter)
+    gen.add_argument("prompt", help="the user's message (sent through the chat template unless --no-chat)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens of the answer")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the likeliest token each step)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens this likely")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (the same seed, the same answer)")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: sampling)")
+    gen.add_argument("--num-results", type=int, default=1,
+                     help="beam search: how many best continuations to print (needs --beam-width)")
+    gen.add_argument("--length-penalty", type=float, default=1.0,
+                     help="beam search: score = logprob / length ** this (> 0 favours longer answers)")
+    gen.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
+                     help="beam search: stop at width finished beams (true), when no live beam can win by "
+                          "the current-length heuristic (false), or only when none can win at any length (never)")
+    gen.add_argument("--speculative", choices=("ngram",), default=None,
+                     help="speculative decoding with prompt-lookup drafts (helps when the answer copies the prompt)")
+    gen.add_argument("--draft-model", metavar="PATH",
+                     help="speculative decoding with this model drafting (same vocabulary), e.g. the int4 "
+                          "GGUF for an int8 or bf16 checkpoint of the same model")
+    add_runtime_args(gen, memory_budget=False)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="time prefill and greedy decode", formatter_class=HelpFormatter)
+    bench.add_argument("--prompt-tokens", type=int, default=256, help="prompt length")
+    bench.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded")
+    bench.add_argument("--text", default=str(Path(__file__).resolve().parents[3] / "shared/data/tinyshakespeare.txt"),
+                       help="text the prompt is cut from (falls back to synthetic ids)")
+    bench.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    add_runtime_args(bench, memory_budget=False)
+    bench.set_defaults(func=cmd_bench)
+
+    chat = sub.add_parser("chat", help="streaming chat in the terminal (uses the daemon when it runs)",
+                          formatter_class=HelpFormatter)
+    chat.add_argument("--max-tokens", type=int, default=512, help="most tokens of each answer")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0: greedy; higher: more varied answers")
+    chat.add_argument("--no-daemon", action="store_true", help="run the engine in this process even if a daemon runs")
+    add_runtime_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    for name, helptext in (("serve", "websocket server"), ("daemon", "background server: start|stop|status|logs"),
+                           ("quantize", "convert a model to an edgeinfer checkpoint"),
+                           ("eval-ppl", "perplexity of a model on a text")):
+        sub.add_parser(name, help=helptext, add_help=False)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     return_large_frees_to_the_os()
@@ -192,57 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             run = serve.serve_main if argv[0] == "serve" else serve.daemon_main
         return run(argv[1:])
 
-    parser = argparse.ArgumentParser(prog="edgeinfer", description="Quantized LLM inference at the edge.")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("pull", help="fetch the default model into the cache").set_defaults(func=cmd_pull)
-
-    gen = sub.add_parser("generate", help="complete one prompt; prints only the completion")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: sampling)")
-    gen.add_argument("--num-results", type=int, default=1, help="beam search: how many best continuations to print")
-    gen.add_argument("--length-penalty", type=float, default=1.0,
-                     help="beam search: score = logprob / length ** this (> 0 favours longer answers)")
-    gen.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
-                     help="beam search: stop at width finished beams (true), when no live beam can win by "
-                          "the current-length heuristic (false), or only when none can win at any length (never)")
-    gen.add_argument("--speculative", choices=("ngram",), default=None,
-                     help="speculative decoding with prompt-lookup drafts (helps when the answer copies the prompt)")
-    gen.add_argument("--draft-model", metavar="PATH",
-                     help="speculative decoding with this model drafting (same vocabulary), e.g. the int4 "
-                          "GGUF for an int8 or bf16 checkpoint of the same model")
-    add_runtime_args(gen, memory_budget=False)
-    gen.set_defaults(func=cmd_generate)
-
-    bench = sub.add_parser("bench", help="time prefill and greedy decode")
-    bench.add_argument("--prompt-tokens", type=int, default=256)
-    bench.add_argument("--new-tokens", type=int, default=128)
-    bench.add_argument("--text", default=str(Path(__file__).resolve().parents[3] / "shared/data/tinyshakespeare.txt"),
-                       help="text the prompt is cut from (falls back to synthetic ids)")
-    bench.add_argument("--json", action="store_true")
-    add_runtime_args(bench, memory_budget=False)
-    bench.set_defaults(func=cmd_bench)
-
-    chat = sub.add_parser("chat", help="streaming chat in the terminal (uses the daemon when it runs)")
-    chat.add_argument("--max-tokens", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--no-daemon", action="store_true", help="run the engine in this process even if a daemon runs")
-    add_runtime_args(chat)
-    chat.set_defaults(func=cmd_chat)
-
-    for name, helptext in (("serve", "websocket server"), ("daemon", "background server: start|stop|status|logs"),
-                           ("quantize", "convert a model to an edgeinfer checkpoint"),
-                           ("eval-ppl", "perplexity of a model on a text")):
-        sub.add_parser(name, help=helptext, add_help=False)
-
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -38,6 +38,30 @@ def memory_size(text: str) -> tuple[int | None, float | None]:
     return size, None
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default after its help text, where it has one worth saying
+    (not for switches, not where the text already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default == argparse.SUPPRESS
+                or isinstance(default, (tuple, list)) and not any(default)
+                or "default" in text or "%(default)" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("edgeinfer")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "unknown (not installed)"
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -53,7 +77,8 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
     the memory plan's --ctx, --parallel and --kv-memory, for the commands that serve many requests
     (generate and bench size their pool to the one request they run)."""
     p.add_argument("--model", help="GGUF file, HF folder or edgeinfer checkpoint (default: the pulled default model)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                   help="where the model runs (auto: cuda when torch sees a GPU)")
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
                    help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
@@ -70,7 +95,8 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
         p.add_argument("--kv-memory", type=memory_size, default=(None, None), metavar="SIZE",
                        help="size the KV cache by memory instead of --ctx x --parallel: bytes (1.5GB, 512MiB) or "
                             "a share of available memory (10%%)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's choice, "
+                   "one per core)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
     p.add_argument("--exact-head", action="store_true",
                    help="exact logits for every token (the int4 CPU path otherwise recomputes only the 64 "

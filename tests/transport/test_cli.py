@@ -1,5 +1,6 @@
 """The README's commands: generate answers, bench reports its fields."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -101,3 +102,23 @@ def test_memory_plan_flags() -> None:
     result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "generate", "hi", "--kv-memory", "1GB"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unrecognized arguments: --kv-memory" in result.stderr, result.stderr
+
+
+def test_every_option_explains_itself() -> None:
+    """--help gives every option of every subcommand a description; --version answers."""
+    from edgeinfer.cli.main import build_parser
+    from quant.cli import _ppl_parser, _quantize_parser
+
+    main = build_parser()
+    subcommands = next(a for a in main._actions if isinstance(a, argparse._SubParsersAction)).choices
+    parsers = [main, *(p for p in subcommands.values() if p.add_help), _quantize_parser(), _ppl_parser()]
+    silent = [f"{p.prog} {'/'.join(a.option_strings) or a.dest}" for p in parsers for a in p._actions
+              if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert not silent, silent
+    result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("edgeinfer ")
+
+
+def test_num_results_without_beam_search_is_refused(default_model_path) -> None:
+    result = _edgeinfer("generate", "hi", "--num-results", "3", model=default_model_path)
+    assert result.returncode == 2 and "--num-results" in result.stderr and "--beam-width" in result.stderr
