@@ -41,6 +41,7 @@ from quant.checkpoint import check_destination, save_checkpoint
 from quant.formats import GROUP_SIZES, QuantizedTensor, quantize_int4, quantize_int8
 from quant.gguf_import import ModelFileError, check_weights, require_gguf_file
 from quant.nf4 import quantize_nf4
+from quant.weight_error import dense, relative_error
 
 Weight = torch.Tensor | QuantizedTensor
 WEIGHT_FORMATS = ("int8", "int4", "nf4", "fp16", "bf16")
@@ -240,10 +241,6 @@ def preflight_notes(source: Source, opts: ConvertOptions) -> list[str]:
     return notes
 
 
-def dense(weight: Weight) -> torch.Tensor:
-    return weight.dequantize(torch.float32) if isinstance(weight, QuantizedTensor) else weight.float()
-
-
 def effective_group(group_size: int | None, k: int) -> int:
     """``group_size`` if it divides K, else the largest smaller allowed group that does (the default
     model's K=576 takes g64 where g128 was asked); None means one group per row."""
@@ -272,36 +269,6 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
     if fmt == "int8":
         return quantize_int8(w, group)
     return quantize_nf4(w, group)
-
-
-def _row_slice(weight: Weight, start: int, stop: int) -> Weight:
-    """Rows start:stop of a weight (elements, for a 1-D one)."""
-    if not isinstance(weight, QuantizedTensor):
-        return weight[start:stop]
-    k, g = weight.shape[1], weight.group_size
-    if weight.format == "nf4":  # flat layout; a block never spans two rows
-        return QuantizedTensor("nf4", (stop - start, k), g, weight.qweight[start * k // 2:stop * k // 2],
-                               weight.scales[start * k // g:stop * k // g])
-    mins = None if weight.mins is None else weight.mins[start:stop]
-    return QuantizedTensor(weight.format, (stop - start, k), g, weight.qweight[start:stop],
-                           weight.scales[start:stop], mins)
-
-
-ERROR_ROWS = 4096  # rows dequantized at a time: keeps the error check far below one fp32 embedding
-
-
-def relative_error(new: Weight, old: Weight) -> float:
-    """||new - old||_F / ||old||_F, both dequantized to fp32, a slab of rows at a time."""
-    if new is old:
-        return 0.0
-    num_rows = old.shape[0]
-    diff_sq = ref_sq = 0.0
-    for start in range(0, num_rows, ERROR_ROWS):
-        stop = min(start + ERROR_ROWS, num_rows)
-        ref = dense(_row_slice(old, start, stop))
-        diff_sq += (dense(_row_slice(new, start, stop)) - ref).pow(2).sum().item()
-        ref_sq += ref.pow(2).sum().item()
-    return (diff_sq / ref_sq) ** 0.5 if ref_sq else 0.0
 
 
 def _ordered(names: list[str]) -> list[list[str]]:

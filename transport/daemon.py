@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from transport import auth
+
 STATE_ENV = "EDGEINFER_STATE_DIR"
 LOCK_FILE, STATE_FILE, LOG_FILE = "daemon.lock", "daemon.json", "daemon.log"
 
@@ -48,8 +50,12 @@ class DaemonState:
 
 
 def state_dir() -> Path:
+    """$EDGEINFER_STATE_DIR; else under $EDGEINFER_CONFIG_DIR when that is set (one folder holds a
+    whole separate set-up: token and daemon); else $XDG_STATE_HOME/edgeinfer."""
     if os.environ.get(STATE_ENV):
         return Path(os.environ[STATE_ENV]).expanduser()
+    if os.environ.get(auth.CONFIG_ENV):
+        return Path(os.environ[auth.CONFIG_ENV]).expanduser() / "state"
     base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
     return Path(base) / "edgeinfer"
 

@@ -154,3 +154,12 @@ def test_chat_repl_stop_keeps_the_partial_answer():
         assert first_answer["role"] == "assistant" and first_answer["content"].startswith("t0 t1 ")
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_state_follows_the_config_dir(tmp_path, monkeypatch) -> None:
+    """EDGEINFER_CONFIG_DIR alone moves the daemon's state too; EDGEINFER_STATE_DIR still wins."""
+    monkeypatch.delenv(daemon.STATE_ENV, raising=False)
+    monkeypatch.setenv(auth.CONFIG_ENV, str(tmp_path / "config"))
+    assert daemon.state_dir() == tmp_path / "config" / "state"
+    monkeypatch.setenv(daemon.STATE_ENV, str(tmp_path / "elsewhere"))
+    assert daemon.state_dir() == tmp_path / "elsewhere"
