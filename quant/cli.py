@@ -108,8 +108,11 @@ def eval_ppl_main(argv: list[str]) -> int:
         # The checkpoint's own head: the figure measures the format, and the same text on the same
         # file gives the same number on every path.
         runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype, exact_head=True)
+        print(f"edgeinfer eval-ppl: loading {args.model} ...", file=sys.stderr, flush=True)
         async with Engine(engine_config(args.model, args.window, runtime)) as engine:
             token_ids = text_tokens(engine.tokenizer, args.text, args.tokens)
+            print(f"edgeinfer eval-ppl: scoring {len(token_ids)} tokens of {args.text} in windows of {args.window}",
+                  file=sys.stderr, flush=True)
             return await perplexity(engine, token_ids, window=args.window)
 
     try:

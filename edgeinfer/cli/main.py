@@ -263,4 +263,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgeinfer: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"\nedgeinfer {args.command}: interrupted", file=sys.stderr)
         return 130

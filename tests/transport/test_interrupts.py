@@ -1,0 +1,64 @@
+"""Ctrl-C mid-run: every long command ends with exit status 130, one line saying so, no
+traceback, and no partial output file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def interrupt(args: list[str], ready: str, tmp_path: Path) -> tuple[int, str]:
+    """Run `edgeinfer ARGS`, send SIGINT once its stderr shows ``ready`` (the run is under way),
+    return (exit status, stderr)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EDGEINFER_CONFIG_DIR": str(tmp_path / "config")}
+    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", *args], env=env, text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen = ""
+    deadline = time.monotonic() + 120
+    assert process.stderr is not None
+    while ready not in seen and time.monotonic() < deadline:
+        chunk = process.stderr.read(1)
+        if not chunk:
+            break
+        seen += chunk
+    assert ready in seen, f"never saw {ready!r}: {seen[-500:]}"
+    time.sleep(0.3)  # into the work itself, not just past the line
+    process.send_signal(signal.SIGINT)
+    rest = process.stderr.read()
+    return process.wait(timeout=60), seen + rest
+
+
+def assert_one_line(stderr: str, command: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1].startswith(f"edgeinfer {command}: interrupted"), stderr
+
+
+def test_quantize(default_model_path, tmp_path) -> None:  # noqa: ANN001
+    dst = tmp_path / "out"
+    status, stderr = interrupt(["quantize", str(default_model_path), str(dst), "--weights", "int8"], "] 1", tmp_path)
+    assert status == 130
+    assert_one_line(stderr, "quantize")
+    assert not dst.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.skipif(not CORPUS.is_file(), reason="the shared corpus is not beside the checkout")
+def test_eval_ppl(default_model_path, tmp_path) -> None:  # noqa: ANN001
+    status, stderr = interrupt(["eval-ppl", str(default_model_path), "--text", str(CORPUS)], "scoring", tmp_path)
+    assert status == 130
+    assert_one_line(stderr, "eval-ppl")
+
+
+def test_generate(default_model_path, tmp_path) -> None:  # noqa: ANN001
+    status, stderr = interrupt(["-v", "generate", "Tell me a long story.", "--max-tokens", "4000",
+                                "--model", str(default_model_path)], "engine ready", tmp_path)
+    assert status == 130
+    assert_one_line(stderr, "generate")
