@@ -218,7 +218,9 @@ def _load() -> None:
         return
     from torch.utils.cpp_extension import load
 
-    log.info("compiling the AVX2 CPU ops once (about a minute) into %s", library.parent)
+    # WARNING so that it shows by default: a first start otherwise sits silent for a minute.
+    log.warning("compiling the C++ CPU kernels once (about a minute; later starts reuse them) into %s",
+                library.parent)
     library.parent.mkdir(parents=True, exist_ok=True)
     # Build in a private folder and move the finished library into place, so an interrupted or
     # concurrent build never leaves a half-written library where the next start would load it.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from edgeinfer.config import KV_DTYPES, LINEAR_PATHS
 from quant.formats import GROUP_SIZES
@@ -52,10 +53,33 @@ def _quantize_parser() -> argparse.ArgumentParser:
     return p
 
 
+class WeightProgress:
+    """A tqdm bar on stderr for convert's ``progress``: weights done, the last one's name."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, unit="weight", file=sys.stderr, dynamic_ncols=True)
+        self.bar.set_postfix_str(name, refresh=False)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.close()
+
+    def close(self) -> None:
+        """Before any other line: a bar left open redraws itself when the program exits."""
+        if self.bar is not None:
+            self.bar.close()
+
+
 def quantize_main(argv: list[str]) -> int:
     from quant.convert import ConvertOptions, convert
 
     args = _quantize_parser().parse_args(argv)
+    progress = WeightProgress()
     try:
         opts = ConvertOptions(
             weights=args.weights,
@@ -68,12 +92,13 @@ def quantize_main(argv: list[str]) -> int:
             force=args.force,
             verbose=args.verbose,
         )
-        kwargs = {"progress": None} if args.quiet else {}
-        report = convert(args.src, args.dst, opts, **kwargs)
+        report = convert(args.src, args.dst, opts, progress=None if args.quiet else progress)
     except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors
+        progress.close()
         print(f"edgeinfer quantize: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the checkpoint is written to a temporary folder and renamed at the end
+        progress.close()
         print(f"\nedgeinfer quantize: interrupted; {args.dst} was not written", file=sys.stderr)
         return 130
     print(f"wrote {report.dst} ({len(report.errors)} weights, {report.seconds:.1f} s)")

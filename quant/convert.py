@@ -284,23 +284,15 @@ def _ordered(names: list[str]) -> list[list[str]]:
     return [[EMBED]] + [layers[i] for i in sorted(layers)] + [rest]
 
 
-def _progress_bar(done: int, total: int, name: str) -> None:
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:60]:<60}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def convert(
     src: str | Path,
     dst: str | Path,
     opts: ConvertOptions,
-    progress: Callable[[int, int, str], None] | None = _progress_bar,
+    progress: Callable[[int, int, str], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> ConvertReport:
-    """Convert SRC into the checkpoint folder DST; returns the per-weight errors."""
+    """Convert SRC into the checkpoint folder DST; returns the per-weight errors. ``progress``
+    is told (weights done, total, the last one's name) after each weight."""
     start = time.perf_counter()
     log = log or (lambda line: print(line, file=sys.stderr))
     check_destination(dst, opts.force)  # fail before the slow part

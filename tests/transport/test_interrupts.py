@@ -44,7 +44,8 @@ def assert_one_line(stderr: str, command: str) -> None:
 
 def test_quantize(default_model_path, tmp_path) -> None:  # noqa: ANN001
     dst = tmp_path / "out"
-    status, stderr = interrupt(["quantize", str(default_model_path), str(dst), "--weights", "int8"], "] 1", tmp_path)
+    args = ["quantize", str(default_model_path), str(dst), "--weights", "int8"]
+    status, stderr = interrupt(args, "weight/s", tmp_path)
     assert status == 130
     assert_one_line(stderr, "quantize")
     assert not dst.exists() and not list(tmp_path.glob(".out.tmp-*"))
