@@ -150,6 +150,11 @@ def _spec(reader: GGUFFile, arch: str, hidden: int, num_heads: int, head_dim: in
                      "final_softcap": _field(reader, f"{arch}.final_logit_softcapping")}
         else:
             pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+            if isinstance(pattern, list):  # one flag per layer (true: sliding window) -> its period
+                flags = pattern
+                pattern = next((i + 1 for i, local in enumerate(flags) if not local), 0)
+                if flags != [ArchSpec(sliding_window=1, global_every=pattern).is_local(i) for i in range(num_layers)]:
+                    raise ModelFileError(f"{arch}: sliding_window_pattern {flags} is not periodic; not supported")
             spec |= {"qk_norm": True, "global_every": int(pattern),
                      "local_rope_theta": float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))}
     return ArchSpec(**spec)

@@ -6,9 +6,10 @@ Q4_0 / Q4_1 become int4 group-32 QuantizedTensors and Q8_0 becomes int8 group-32
 (the fp16 block scales are kept as fp16). F32/F16/BF16 stay as they are. Any other type is
 dequantized by the gguf package and returned in fp32, with a warning naming it.
 
-llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE matches HF's
-rotate-half RoPE; we undo that permutation (rows only, so quantized rows move unchanged) and the
-model uses one RoPE for every source.
+For arch llama, llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE
+matches HF's rotate-half RoPE; we undo that permutation (rows only, so quantized rows move
+unchanged) and the model uses one RoPE for every source. The per-architecture metadata and
+tensor names are quant.gguf_arch's.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _spec(cfg: dict[str, Any], model_type: str, head_dim: int) -> tuple[float, A
         rope = rope.get("full_attention") or {}
     rope = {"rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {}), **rope}
     theta = float(rope["rope_theta"])
-    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+    if {float(rope.get("partial_rotary_factor", 1.0)), float(cfg.get("partial_rotary_factor", 1.0))} != {1.0}:
         raise ModelFileError("partial_rotary_factor != 1 (RoPE on part of each head) is not supported")
     spec |= _rope_scaling(rope, theta, head_dim)
     if model_type in ("mistral", "phi3"):  # every layer within the window, where one is set
