@@ -101,7 +101,9 @@ def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context
     num_kv_heads = pool.num_kv_heads
     # GQA without repeating K/V: the g q heads of one KV head become g "query rows" of it.
     qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if num_seqs == 1:
+    if num_seqs == 1 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # (Its length read syncs, which a CUDA graph capture cannot: windowed and soft-capped
+        # layers run here on CUDA, the Triton kernels lacking both.)
         # The single-stream hot path (runs 30x per token): no padding mask, so K/V are cut to the
         # exact length, and plain caches are read straight from the pool. max_context_len may
         # be only a bound, so the length comes from context_lens.

@@ -18,7 +18,7 @@ import pytest
 import torch
 from arch_fixtures import ARCHS, hf_model, save_hf, write_gguf
 
-from edgeinfer.config import RuntimeConfig
+from edgeinfer.config import ModelConfig, RuntimeConfig
 from edgeinfer.models.loader import LoadedModel
 from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.build import build_model, fixed_runner
@@ -128,10 +128,12 @@ def test_f32_gguf_matches_transformers(fixtures: dict[str, Fixture], folder: Pat
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_transformers_4_config_reads_the_same(name: str, tmp_path: Path) -> None:
     """config.json as transformers 4.x wrote it (rope_theta / rope_scaling at the top level)
-    gives the config transformers 5's layout (rope_parameters, layer_types) does."""
+    gives the config transformers 5's layout (rope_parameters, layer_types) does; the spec
+    survives an edgeinfer checkpoint's config.json (quant.checkpoint: to_dict / from_dict)."""
     model = hf_model(name)
     v5 = read_hf_config(save_hf(model, tmp_path / "v5"))
     assert read_hf_config(save_hf(model, tmp_path / "v4", v4_config=True)) == v5
+    assert ModelConfig.from_dict(json.loads(json.dumps(v5.to_dict()))) == v5
 
 
 def test_fused_cpu_step_runs_rope_scaling_and_falls_back_for_the_rest(
