@@ -135,7 +135,10 @@ def read_config(reader: GGUFFile) -> ModelConfig:
 def _spec(reader: GGUFFile, arch: str, hidden: int, num_heads: int, head_dim: int, num_layers: int) -> ArchSpec:
     window = _field(reader, f"{arch}.attention.sliding_window")
     spec: dict[str, Any] = {"sliding_window": int(window) if window else None, **_rope_scaling(reader, arch)}
-    if arch == "qwen2":
+    biases = {t.name.split(".")[2] for t in reader.tensors if t.name.startswith("blk.0.") and t.name.endswith(".bias")}
+    if biases - {"attn_q", "attn_k", "attn_v", "attn_qkv"}:  # the forward adds q/k/v biases only
+        raise ModelFileError(f"{arch}: biases on {sorted(biases)} are not supported (q/k/v biases are)")
+    if arch == "qwen2" or biases:
         spec["qkv_bias"] = True
     elif arch == "qwen3":
         spec["qk_norm"] = True

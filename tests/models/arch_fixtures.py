@@ -48,7 +48,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any], str | None]] = {
                                 "hidden_activation": "gelu_pytorch_tanh"}, "gemma2"),
     "gemma3": ("Gemma3TextConfig", {"num_hidden_layers": 6, "sliding_window": WINDOW, "query_pre_attn_scalar": 16,
                                     "rope_parameters": {
-                                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1000000.0},
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
                "gemma3"),
 }

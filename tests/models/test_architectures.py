@@ -192,7 +192,8 @@ def test_hf_refusals_name_what_is_unsupported(name: str, changes: dict, message:
         read_hf_config(_hf_config(tmp_path, name, **changes))
 
 
-def _gguf_header(path: Path, arch: str, **metadata: object) -> Path:
+def _gguf_header(path: Path, arch: str, tensor: str, **metadata: object) -> Path:
+    """A GGUF of ``arch`` with the usual shape keys, ``metadata`` and one tensor named ``tensor``."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -202,8 +203,7 @@ def _gguf_header(path: Path, arch: str, **metadata: object) -> Path:
         (writer.add_string if isinstance(value, str) else writer.add_float32 if isinstance(value, float)
          else writer.add_uint32)(f"{arch}.{key}", value)
     writer.add_token_list(["a", "b"])
-    writer.add_tensor("rope_factors_long.weight" if arch == "phi3" else "token_embd.weight",
-                      np.ones((2, 64), np.float32))
+    writer.add_tensor(tensor, np.ones((2, 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -211,13 +211,15 @@ def _gguf_header(path: Path, arch: str, **metadata: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch,metadata,message", [
-    ("mamba", {}, "unsupported architecture 'mamba'; edgeinfer runs .*'gemma3'"),
-    ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
+@pytest.mark.parametrize("arch,tensor,metadata,message", [
+    ("mamba", "token_embd.weight", {}, "unsupported architecture 'mamba'; edgeinfer runs .*'gemma3'"),
+    ("llama", "token_embd.weight", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
      "RoPE scaling 'yarn' is not supported; edgeinfer runs .*llama3"),
-    ("phi3", {}, "RoPE scaling 'longrope'"),
-    ("llama", {"rope.dimension_count": 8}, "partial rotary"),
+    ("phi3", "rope_factors_long.weight", {}, "RoPE scaling 'longrope'"),
+    ("llama", "token_embd.weight", {"rope.dimension_count": 8}, "partial rotary"),
+    ("llama", "blk.0.attn_output.bias", {}, r"biases on \['attn_output'\]"),
 ])
-def test_gguf_refusals_name_what_is_unsupported(arch: str, metadata: dict, message: str, tmp_path: Path) -> None:
+def test_gguf_refusals_name_what_is_unsupported(arch: str, tensor: str, metadata: dict, message: str,
+                                                tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match=message):
-        load_gguf(_gguf_header(tmp_path / "m.gguf", arch, **metadata))
+        load_gguf(_gguf_header(tmp_path / "m.gguf", arch, tensor, **metadata))
