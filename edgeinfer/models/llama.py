@@ -36,6 +36,7 @@ from quant.gguf_import import FileRows
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class BatchMeta:
     """Tensors describing one step's flattened batch (built by the model runner)."""
@@ -164,7 +165,8 @@ class LlamaLayers:
         self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
         local = None
         if self._local_rope is not None:
-            local = tuple(table[batch.positions].unsqueeze(1) for table in self._local_rope)
+            local_cos, local_sin = self._local_rope
+            local = (local_cos[batch.positions].unsqueeze(1), local_sin[batch.positions].unsqueeze(1))
         return LayerStep(batch, kv, self._cos[batch.positions].unsqueeze(1), self._sin[batch.positions].unsqueeze(1),
                          local, self.key_centres if kv.transform_k else None, observe)
 
