@@ -41,9 +41,10 @@ ARCHS: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "mistral": ("MistralConfig", {"sliding_window": WINDOW}, None),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default",
                                                                                "rope_theta": 1000000.0}}, "qwen2"),
-    "qwen3": ("Qwen3Config", {}, "qwen3"),
+    # head_dim 32 with 4 heads of a hidden 64, as Qwen3-0.6B and Gemma 2 have head_dim != hidden / heads
+    "qwen3": ("Qwen3Config", {"head_dim": 32}, "qwen3"),
     "phi3": ("Phi3Config", {"sliding_window": WINDOW}, "phi3"),
-    "gemma2": ("Gemma2Config", {"sliding_window": WINDOW, "query_pre_attn_scalar": 16,
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": WINDOW, "query_pre_attn_scalar": 32,
                                 "attn_logit_softcapping": 4.0, "final_logit_softcapping": 3.0,
                                 "hidden_activation": "gelu_pytorch_tanh"}, "gemma2"),
     "gemma3": ("Gemma3TextConfig", {"num_hidden_layers": 6, "sliding_window": WINDOW, "query_pre_attn_scalar": 16,
