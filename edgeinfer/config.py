@@ -10,14 +10,110 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 LINEAR_PATHS = ("auto", "int4_cpu", "triton", "reference")
+ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
 @dataclass(frozen=True)
+class ArchSpec:
+    """What one decoder architecture computes beyond Llama's layer: the one forward
+    (edgeinfer.models.llama) reads these flags; every default is Llama's.
+
+    The norm weights a checkpoint stores are applied as ``w + norm_offset`` (Gemma's HF weights:
+    1 + w; llama.cpp's converter adds the 1 before writing a GGUF, so those have offset 0).
+    Layer i attends within ``sliding_window`` tokens (a query and the window - 1 before it)
+    unless it is global: every layer is local when ``global_every`` is 0, else layers with
+    (i + 1) % global_every == 0 are global (Gemma 2: 2, Gemma 3: 6). Local layers take RoPE base
+    ``local_rope_theta`` without scaling where it is set (Gemma 3), else the global RoPE.
+    RoPE scaling: "linear" divides positions by ``rope_factor``; "llama3" divides each
+    frequency by its ``rope_freq_factors`` entry (head_dim / 2 of them, what a GGUF's
+    rope_freqs tensor holds; quant.hf_import computes them from config.json's parameters).
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen 3, Gemma 3)
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs too (Gemma 2/3)
+    fused_qkv: bool = False  # the checkpoint stores Q/K/V as one qkv_proj (Phi-3)
+    fused_gate_up: bool = False  # and gate/up as one gate_up_proj
+    activation: str = "silu"
+    embed_scale: float = 1.0  # the embedding rows are multiplied by it (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # q.k scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # the same on the logits
+    sliding_window: int | None = None
+    global_every: int = 0
+    local_rope_theta: float | None = None
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_freq_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ArchSpec.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"ArchSpec.rope_scaling must be one of {ROPE_SCALINGS}, got {self.rope_scaling!r}")
+        if self.norm_offset not in (0.0, 1.0):
+            raise ValueError(f"ArchSpec.norm_offset must be 0 (w) or 1 (1 + w), got {self.norm_offset}")
+        if (self.rope_scaling == "llama3") != bool(self.rope_freq_factors):
+            raise ValueError("ArchSpec.rope_freq_factors are given exactly when rope_scaling is 'llama3'")
+        if self.rope_scaling == "linear" and self.rope_factor < 1:
+            raise ValueError(f"ArchSpec.rope_factor must be >= 1 for linear RoPE scaling, got {self.rope_factor}")
+        for name in ("attn_softcap", "final_softcap", "sliding_window", "attn_scale", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"ArchSpec.{name} must be positive or None, got {value}")
+        if self.global_every < 0 or (self.global_every or self.local_rope_theta) and self.sliding_window is None:
+            raise ValueError("ArchSpec.global_every (>= 0) and local_rope_theta need a sliding_window")
+        if self.embed_scale <= 0:
+            raise ValueError(f"ArchSpec.embed_scale must be positive, got {self.embed_scale}")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends within the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return not self.global_every or (layer + 1) % self.global_every != 0
+
+    def linear_parts(self) -> dict[str, tuple[str, ...]]:
+        """The checkpoint weights ("model.layers.{i}.{part}.weight") behind each fused linear of
+        the forward, in the order it runs them; the parts of one share its input."""
+        return {
+            "qkv": ("self_attn.qkv_proj",) if self.fused_qkv else
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "o": ("self_attn.o_proj",),
+            "gate_up": ("mlp.gate_up_proj",) if self.fused_gate_up else ("mlp.gate_proj", "mlp.up_proj"),
+            "down": ("mlp.down_proj",),
+        }
+
+    def norm_names(self) -> dict[str, str]:
+        """The forward's per-layer norms -> their checkpoint names (HF's: Gemma's
+        post_attention_layernorm is on the attention output, Llama's before the MLP)."""
+        names = {"input_norm": "input_layernorm"}
+        if self.sandwich_norms:
+            names |= {"attn_out_norm": "post_attention_layernorm", "post_norm": "pre_feedforward_layernorm",
+                      "mlp_out_norm": "post_feedforward_layernorm"}
+        else:
+            names["post_norm"] = "post_attention_layernorm"
+        if self.qk_norm:
+            names |= {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+        return names
+
+    def layer_weight_names(self) -> list[str]:
+        """Every tensor of one decoder layer, by name within it ("self_attn.q_proj.bias", ...)."""
+        names = [f"{part}.weight" for parts in self.linear_parts().values() for part in parts]
+        names += [f"{norm}.weight" for norm in self.norm_names().values()]
+        if self.qkv_bias:
+            names += [f"{part}.bias" for part in self.linear_parts()["qkv"]]
+        return names
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family architecture."""
+    """A decoder's shape, and what its architecture computes (``spec``)."""
 
     vocab_size: int
     hidden_size: int
@@ -33,8 +129,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    spec: ArchSpec = ArchSpec()
 
     def __post_init__(self) -> None:
+        if isinstance(self.spec, dict):  # from_dict of a checkpoint's config.json
+            object.__setattr__(self, "spec", ArchSpec(**self.spec))
+        factors = self.spec.rope_freq_factors
+        if factors and len(factors) != self.head_dim // 2:
+            raise ValueError(f"ArchSpec.rope_freq_factors has {len(factors)} entries, head_dim {self.head_dim} "
+                             f"needs {self.head_dim // 2}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position"):
             if getattr(self, name) <= 0:

@@ -15,6 +15,9 @@ Conventions shared by all: the new tokens' K/V are written to the pool *before* 
 ``context_lens`` (S,) counts them (decode and prefill read the same quantized bytes);
 ``block_tables`` (S, max_blocks) int32 maps logical block j of sequence i to a pool block;
 q head h reads KV head ``h // (Hq // Hkv)`` (GQA, as HF's repeat_kv). Outputs have q's dtype.
+``window`` W (sliding-window layers): a query at position p reads keys p - W + 1 .. p only;
+``softcap`` c: scores become c * tanh(scores / c) before the mask (Gemma 2). The Triton and
+C++ kernels implement neither, so either takes the torch path (the model says so once).
 
 Online softmax invariant (both kernels): after each K/V tile, for every query row, ``m`` is the
 running max of its scores (log2 domain: q is pre-scaled by ``scale * log2(e)``), ``l`` the sum
@@ -62,6 +65,8 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     partition_size: int = 512,
     seq_view: tuple[int, int] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q (S, Hq, D), one token per sequence -> (S, Hq, D) attention over its cached context.
 
@@ -72,6 +77,9 @@ def paged_decode_attention(
     as a view (BatchMeta.seq_view).
     """
     _check_common(q, pool, layer, block_tables, context_lens, "paged_decode_attention")
+    if window is not None or softcap is not None:
+        return _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view,
+                             window, softcap)
     if use_triton:
         if max_context_len is None:
             max_context_len = int(context_lens.max()) if context_lens.numel() else 0
@@ -87,12 +95,15 @@ def paged_decode_attention(
     return _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view)
 
 
-def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view):
+def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context_len, seq_view,
+                  window=None, softcap=None):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = pool.num_kv_heads
     # GQA without repeating K/V: the g q heads of one KV head become g "query rows" of it.
     qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if num_seqs == 1:
+    if num_seqs == 1 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # (Its length read syncs, which a CUDA graph capture cannot: windowed and soft-capped
+        # layers run here on CUDA, the Triton kernels lacking both.)
         # The single-stream hot path (runs 30x per token): no padding mask, so K/V are cut to the
         # exact length, and plain caches are read straight from the pool. max_context_len may
         # be only a bound, so the length comes from context_lens.
@@ -109,8 +120,10 @@ def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context
                 k, v = (c.data.index_select(0, ids).flatten(0, 1)[:length].float() for c in (kc, vc))
             else:
                 k, v = (x.flatten(0, 1)[:length] for x in pool.gather(layer, ids))
+        if window is not None:  # the query sits at the last position
+            k, v = k[-window:], v[-window:]
         # Two bmm's beat CPU SDPA's flash kernel at one query row per head (59 vs 100 us, L=300).
-        scores = torch.bmm(qg[0] * scale, k.permute(1, 2, 0))  # (Hkv, g, L)
+        scores = _softcapped(torch.bmm(qg[0] * scale, k.permute(1, 2, 0)), softcap)  # (Hkv, g, L)
         out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # (Hkv, g, D)
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
     if max_context_len is None:
@@ -120,21 +133,28 @@ def _decode_torch(q, pool, layer, block_tables, context_lens, scale, max_context
     k = k.flatten(1, 2).transpose(1, 2)  # (S, Hkv, L, D)
     v = v.flatten(1, 2).transpose(1, 2)
     positions = torch.arange(k.shape[2], device=q.device)
-    mask = (positions[None, :] < context_lens[:, None].to(q.device))[:, None, None, :]  # (S, 1, 1, L)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (S, Hkv, g, D)
+    lens = context_lens[:, None].to(q.device)
+    mask = positions[None, :] < lens
+    if window is not None:
+        mask &= positions[None, :] >= lens - window
+    out = _attend(qg, k, v, mask[:, None, None, :], scale, softcap)  # mask (S, 1, 1, L) -> (S, Hkv, g, D)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_decode_attention_reference(
     q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time, GQA by repeat_interleave, fp32."""
     out = torch.empty_like(q)
     k_all, v_all = _dequantized_layer(pool, layer)
     for i in range(q.shape[0]):
-        k, v = _sequence_kv(pool, k_all, v_all, block_tables[i], int(context_lens[i]), q.shape[1])
-        weights = torch.softmax(torch.einsum("hd,hld->hl", q[i].float(), k) * scale, dim=-1)
+        ctx = int(context_lens[i])
+        k, v = _sequence_kv(pool, k_all, v_all, block_tables[i], ctx, q.shape[1])
+        scores = _softcapped(torch.einsum("hd,hld->hl", q[i].float(), k) * scale, softcap)
+        if window is not None:
+            scores[:, : max(0, ctx - window)] = float("-inf")
+        weights = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hl,hld->hd", weights, v).to(q.dtype)
     return out
 
@@ -155,6 +175,8 @@ def paged_prefill_attention(
     *,
     use_triton: bool = False,
     max_query_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q (total_new, Hq, D) varlen -> (total_new, Hq, D), causal over each sequence's context.
 
@@ -165,17 +187,17 @@ def paged_prefill_attention(
     if query_start_loc.shape != (context_lens.shape[0] + 1,):
         raise ValueError(f"paged_prefill_attention: query_start_loc must be (S + 1,) = "
                          f"({context_lens.shape[0] + 1},), got {tuple(query_start_loc.shape)}")
-    if use_triton:
+    if use_triton and window is None and softcap is None:
         if max_query_len is None:
             max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
         from kernels.paged_attention_triton import prefill_triton
 
         return prefill_triton(q, pool, layer, block_tables, context_lens, query_start_loc, scale,
                                max_query_len)
-    return _prefill_torch(q, pool, layer, block_tables, context_lens, query_start_loc, scale)
+    return _prefill_torch(q, pool, layer, block_tables, context_lens, query_start_loc, scale, window, softcap)
 
 
-def _prefill_torch(q, pool, layer, block_tables, context_lens, query_start_loc, scale):
+def _prefill_torch(q, pool, layer, block_tables, context_lens, query_start_loc, scale, window=None, softcap=None):
     total, num_heads, head_dim = q.shape
     num_kv_heads = pool.num_kv_heads
     group = num_heads // num_kv_heads
@@ -194,9 +216,12 @@ def _prefill_torch(q, pool, layer, block_tables, context_lens, query_start_loc, 
         qg = q[lo:hi].float().view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qg = qg.reshape(num_kv_heads, group * num_new, head_dim)
         rows = torch.arange(num_new, device=q.device) + (ctx - num_new)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= rows[:, None]  # (n, ctx)
+        keys = torch.arange(ctx, device=q.device)[None, :]
+        mask = keys <= rows[:, None]  # (n, ctx)
+        if window is not None:
+            mask &= keys > rows[:, None] - window
         mask = mask.repeat(group, 1)  # (g * n, ctx)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (Hkv, g*n, D)
+        o = _attend(qg, k, v, mask, scale, softcap)  # (Hkv, g*n, D)
         out[lo:hi] = o.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(
             num_new, num_heads, head_dim).to(q.dtype)
     return out
@@ -205,6 +230,7 @@ def _prefill_torch(q, pool, layer, block_tables, context_lens, query_start_loc, 
 def paged_prefill_attention_reference(
     q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time, explicit causal mask, fp32."""
     out = torch.empty_like(q)
@@ -214,9 +240,12 @@ def paged_prefill_attention_reference(
         if hi == lo:
             continue
         k, v = _sequence_kv(pool, k_all, v_all, block_tables[i], ctx, q.shape[1])
-        scores = torch.einsum("nhd,hld->hnl", q[lo:hi].float(), k) * scale  # (Hq, n, ctx)
+        scores = _softcapped(torch.einsum("nhd,hld->hnl", q[lo:hi].float(), k) * scale, softcap)  # (Hq, n, ctx)
         positions = torch.arange(ctx - (hi - lo), ctx)
-        scores[:, torch.arange(ctx)[None, :] > positions[:, None]] = float("-inf")
+        masked = torch.arange(ctx)[None, :] > positions[:, None]
+        if window is not None:
+            masked |= torch.arange(ctx)[None, :] <= positions[:, None] - window
+        scores[:, masked] = float("-inf")
         out[lo:hi] = torch.einsum("hnl,hld->nhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
     return out
 
@@ -224,6 +253,18 @@ def paged_prefill_attention_reference(
 # ----------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _attend(q, k, v, mask, scale, softcap):
+    """SDPA with a boolean mask (True: attend), or its explicit form where scores are soft-capped."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = _softcapped(q @ k.transpose(-1, -2) * scale, softcap).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def _dequantized_layer(pool: KVPool, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

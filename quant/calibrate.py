@@ -16,7 +16,7 @@ Inputs come from the model's own forward (``GPTQCalibrator``): edgeinfer.models.
 a scratch KV pool, on the reference backend, and its observer hands over each linear's input.
 "True sequential" GPTQ: each linear sees the outputs of the already-quantized linears before it,
 in the layer too, so a layer runs once per group of linears that share an input (q/k/v, o,
-gate/up, down: models.weights.LINEAR_PARTS) and stops at that group's input, the group is
+gate/up, down: ArchSpec.linear_parts) and stops at that group's input, the group is
 quantized and swapped in, and a last run with every linear quantized gives the next layer's
 input. This module knows no layer math: a new architecture in the forward is calibrated as it
 runs.
@@ -32,7 +32,7 @@ import torch
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.llama import LlamaLayers
 from edgeinfer.models.tokenizer import Tokenizer
-from edgeinfer.models.weights import LINEAR_PARTS, prepare_layer
+from edgeinfer.models.weights import prepare_layer
 from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.kv_pools import kv_pool
 from kernels.dispatch import choose_backend
@@ -186,7 +186,7 @@ class GPTQCalibrator:
         prefix = f"model.layers.{index}."
         # Dequantized once, not on every run: the values the reference backend runs them with.
         current = {name: _dense(weight) for name, weight in weights.items()}
-        for linear, parts in LINEAR_PARTS.items():
+        for linear, parts in self.decoder.config.spec.linear_parts().items():
             h = hessian(self._run(index, current, watch=linear))
             for part in parts:
                 name = f"{prefix}{part}.weight"
@@ -197,7 +197,7 @@ class GPTQCalibrator:
         """Layer ``index`` over every sequence: the inputs of the linear ``watch`` (num_seqs,
         seqlen, K), or the layer's outputs when None."""
         prefix = f"model.layers.{index}."
-        layer = prepare_layer(lambda part: weights[f"{prefix}{part}.weight"], self.decoder.backend)
+        layer = prepare_layer(lambda name: weights[prefix + name], self.decoder.backend, self.decoder.config.spec)
         seen: list[torch.Tensor] = []
 
         def observe(_: int, name: str, x: torch.Tensor) -> None:

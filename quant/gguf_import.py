@@ -6,9 +6,10 @@ Q4_0 / Q4_1 become int4 group-32 QuantizedTensors and Q8_0 becomes int8 group-32
 (the fp16 block scales are kept as fp16). F32/F16/BF16 stay as they are. Any other type is
 dequantized by the gguf package and returned in fp32, with a warning naming it.
 
-llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE matches HF's
-rotate-half RoPE; we undo that permutation (rows only, so quantized rows move unchanged) and the
-model uses one RoPE for every source.
+For arch llama, llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE
+matches HF's rotate-half RoPE; we undo that permutation (rows only, so quantized rows move
+unchanged) and the model uses one RoPE for every source. The per-architecture metadata and
+tensor names are quant.gguf_arch's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from quant.formats import QuantizedTensor
+from quant.gguf_arch import ModelFileError, check_weights, hf_name, permutes_rope_rows, read_config, unpermute_rope_rows
 from quant.gguf_reader import (
     GGUF_MAGIC,
     GGMLType,
@@ -40,30 +42,7 @@ from quant.gguf_reader import (
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 Q4_BLOCK = 32
-
-# GGUF tensor name -> HF name ("{i}" is the layer index)
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-class ModelFileError(ValueError):
-    """A model file that cannot be used: wrong architecture, truncated, missing tensors."""
 
 
 def require_gguf_file(path: Path) -> None:
@@ -82,55 +61,6 @@ class GGUFModel:
     config: ModelConfig
     weights: LazyWeights
     tokenizer_metadata: dict[str, Any]
-
-
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    return None
-
-
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.metadata.get(key, default)
-
-
-def read_config(reader: GGUFFile) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelFileError(
-            f"unsupported architecture {arch!r}; edgeinfer runs {SUPPORTED_ARCHITECTURES}"
-        )
-    names = {t.name for t in reader.tensors}
-
-    def need(key: str) -> Any:
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ModelFileError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden = int(need("embedding_length"))
-    num_heads = int(need("attention.head_count"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        max_position=int(need("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        architecture=arch,
-    )
 
 
 def read_tokenizer_metadata(reader: GGUFFile) -> dict[str, Any]:
@@ -195,14 +125,6 @@ def convert_tensor(tensor: TensorInfo, raw: np.ndarray) -> Weight:
     return torch.from_numpy(dequantize(raw.reshape(shape[0], -1), kind).astype(np.float32)).reshape(shape)
 
 
-def unpermute_rope_rows(raw: np.ndarray, num_rows: int, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (pairs interleaved -> rotate-half halves) on a 2-D
-    tensor's raw bytes, before conversion: a row is a contiguous byte range in every GGUF type,
-    and numpy's copy here spares torch's strided-copy kernels at load (~2 MB of code pages)."""
-    rows = raw.reshape(num_heads, num_rows // num_heads // 2, 2, -1)
-    return np.ascontiguousarray(rows.transpose(0, 2, 1, 3)).reshape(-1)
-
-
 @dataclass(frozen=True)
 class GGUFSource:
     """An opened GGUF file whose tensors are converted one at a time (the conversion tool
@@ -217,8 +139,8 @@ class GGUFSource:
         tensor = self.tensors[name]
         try:
             raw = read_tensor(self.path, tensor)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                c = self.config
+            c = self.config
+            if permutes_rope_rows(c.architecture, name):
                 raw = unpermute_rope_rows(raw, tensor.shape[-1], c.num_heads if "q_proj" in name else c.num_kv_heads)
             return convert_tensor(tensor, raw)
         except NotImplementedError as exc:
@@ -238,14 +160,15 @@ def open_gguf_model(path: str | os.PathLike[str]) -> GGUFSource:
         reader = open_gguf(path)
     except (GGUFFormatError, UnicodeDecodeError, OSError, struct.error) as exc:
         raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    config = read_config(reader)
     tensors = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config.architecture)
         if name is None:
             log.info("ignoring GGUF tensor %s", tensor.name)
         else:
             tensors[name] = tensor
-    return GGUFSource(path, read_config(reader), read_tokenizer_metadata(reader), tensors)
+    return GGUFSource(path, config, read_tokenizer_metadata(reader), tensors)
 
 
 # GGUF types whose rows convert on their own, bit for bit (the others dequantize with a warning).
@@ -363,19 +286,3 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     source = open_gguf_model(path)
     check_weights(dict.fromkeys(source.tensors), source.config, str(path))
     return GGUFModel(source.config, LazyWeights(source), source.tokenizer_metadata)
-
-
-def expected_weight_names(config: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{part}.weight" for part in _LAYER_NAMES.values()]
-    return names
-
-
-def check_weights(weights: dict[str, Weight], config: ModelConfig, source: str) -> None:
-    missing = [n for n in expected_weight_names(config) if n not in weights]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelFileError(f"{source} is missing tensor(s) {', '.join(missing[:3])}{more}")

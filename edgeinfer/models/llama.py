@@ -1,4 +1,8 @@
-"""Llama-family forward pass in plain torch over a paged KV cache.
+"""The decoder forward pass in plain torch over a paged KV cache, for every architecture.
+
+One layer's arithmetic is Llama's, changed where the config's ArchSpec (edgeinfer.config) says:
+q/k/v biases, q/k norms, sandwich norms, GELU-tanh, soft-capped attention and logits, sliding
+windows with their own RoPE base, a scaled embedding, RoPE scaling.
 
 ``LlamaLayers`` is the decoder's arithmetic for one config and kernels.dispatch.Backend: it owns
 the RoPE tables and the KV transform (rotation, key centres), hands the backend's flags to the
@@ -14,6 +18,7 @@ context.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,13 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
-from edgeinfer.models.weights import PreparedLayer, Weight, prepare_weights, row_reader, weight_rows
+from edgeinfer.models.weights import PreparedLayer, Weight, prepare_weights, row_reader, spec_features, weight_rows
 from kernels import cpu_ops
 from kernels.dispatch import Backend, choose_backend, linear, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from quant.gguf_import import FileRows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ HEAD_REFINE_ROWS = 64
 # KV formats the fused step writes and reads (K and V in one format; mixed ones take the per-op
 # forward).
 FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
+# ArchSpec features the Triton and C++ attention kernels lack: such layers attend in torch.
+ATTENTION_KERNELS_LACK = ("attn_softcap", "sliding_window")
 
 
 # ``observe(layer, name, x)`` is shown, in forward order, each linear's input under the name of
@@ -71,6 +80,7 @@ class LayerStep:
     kv: KVPool
     cos: torch.Tensor  # (T, 1, head_dim), RoPE at the step's positions
     signed_sin: torch.Tensor  # (T, 1, head_dim)
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, signed_sin) of sliding-window layers, if own
     key_centres: torch.Tensor | None  # (layers, Hkv, D), subtracted where the pool transforms keys
     observe: Observer | None
 
@@ -88,11 +98,25 @@ class LlamaLayers:
         self._read_rows = row_reader(backend)
         # One reused buffer for prefill's dequantized weights (the model runs on one thread).
         self._scratch = torch.empty(scratch_numel, device=self.device)
-        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+        spec = c.spec
+        self._inv_freq = _inv_freq(c.rope_theta, c.head_dim)
+        if spec.rope_scaling == "linear":  # positions / factor
+            self._inv_freq = self._inv_freq / spec.rope_factor
+        elif spec.rope_scaling == "llama3":
+            self._inv_freq = self._inv_freq / torch.tensor(spec.rope_freq_factors, dtype=torch.float64)
+        # Sliding-window layers with their own RoPE base (Gemma 3) take it unscaled.
+        self._local_inv_freq = None if spec.local_rope_theta is None else _inv_freq(spec.local_rope_theta, c.head_dim)
         # CUDA graphs hold the tables' addresses, so there they cover the whole context at once;
         # the CPU grows them with the contexts it sees (the default model's 8192 positions: 4 MB).
         rope_length = c.max_position if self.device.type == "cuda" else min(256, c.max_position)
-        self._cos, self._sin = self._rope_tables(rope_length)
+        self._cos, self._sin = self._rope_tables(rope_length, self._inv_freq)
+        self._local_rope = self._local_rope_tables(rope_length)
+        self._scale = spec.attn_scale or c.head_dim ** -0.5
+        self._act = F.silu if spec.activation == "silu" else lambda x: F.gelu(x, approximate="tanh")
+        slow_attention = spec_features(spec, ATTENTION_KERNELS_LACK)
+        if slow_attention and (backend.triton or backend.cpu_ops):
+            log.info("%s: attention with %s runs in torch (the %s attention kernels lack it)", c.architecture,
+                     " and ".join(slow_attention), "Triton" if backend.triton else "C++")
         self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
         self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
 
@@ -105,10 +129,14 @@ class LlamaLayers:
         ``num_positions``; positions past the context still fail where the tables are read."""
         if num_positions > self._cos.shape[0] < self.config.max_position:
             length = min(max(num_positions, 2 * self._cos.shape[0]), self.config.max_position)
-            self._cos, self._sin = self._rope_tables(length)
+            self._cos, self._sin = self._rope_tables(length, self._inv_freq)
+            self._local_rope = self._local_rope_tables(length)
 
-    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(length, dtype=torch.float64), self._inv_freq)
+    def _local_rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self._local_inv_freq is None else self._rope_tables(length, self._local_inv_freq)
+
+    def _rope_tables(self, length: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
         # rotate_half(x) * sin == roll(x, half) * signed_sin with the first half negated: the
         # sign lives in the table so RoPE is three ops per step for q and k together.
         cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)  # (length, head_dim)
@@ -117,13 +145,16 @@ class LlamaLayers:
 
     def embed(self, weight: Weight | FileRows, token_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream entering the first layer (T, hidden) fp32 from the embedding ``weight``."""
-        return weight_rows(weight, token_ids, self._read_rows)
+        h = weight_rows(weight, token_ids, self._read_rows)
+        return h if self.config.spec.embed_scale == 1.0 else h * self.config.spec.embed_scale
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Over x's last dimension (hidden, or head_dim for q/k norms); ``weight`` includes the
+        spec's norm offset (edgeinfer.models.weights)."""
         # 61 norms per decode step: torch's eager rms_norm is ~40 us on one CPU row, the C++ op ~1.
-        if self.backend.cpu_ops:
+        if self.backend.cpu_ops and x.is_contiguous():
             return cpu_ops.rms_norm(x, weight, self.config.rms_norm_eps)
-        return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.rms_norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         # x: (T, heads, head_dim); cos/signed_sin: (T, 1, head_dim)
@@ -132,8 +163,12 @@ class LlamaLayers:
     def layer_step(self, batch: BatchMeta, kv: KVPool, observe: Observer | None = None) -> LayerStep:
         """The per-step inputs of ``decoder_layer``, computed once for all layers of the step."""
         self._cover_positions(batch.block_tables.shape[1] * kv.block_size)  # a bound known without a sync
+        local = None
+        if self._local_rope is not None:
+            local_cos, local_sin = self._local_rope
+            local = (local_cos[batch.positions].unsqueeze(1), local_sin[batch.positions].unsqueeze(1))
         return LayerStep(batch, kv, self._cos[batch.positions].unsqueeze(1), self._sin[batch.positions].unsqueeze(1),
-                         self.key_centres if kv.transform_k else None, observe)
+                         local, self.key_centres if kv.transform_k else None, observe)
 
     def decoder_layer(self, index: int, layer: PreparedLayer, h: torch.Tensor, step: LayerStep) -> torch.Tensor:
         """Layer ``index`` of a step with the weights ``layer``: the residual stream h (T, hidden)
@@ -146,8 +181,15 @@ class LlamaLayers:
         if observe is not None:
             observe(index, "qkv", x)
         qkv = linear(x, layer.qkv, self._scratch)  # (T, (Hq + 2 Hkv) * D)
-        qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim),
-                        step.cos, step.signed_sin)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        qk = qkv[:, :q_size + kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:  # per head, over head_dim
+            qk = torch.cat([self._rms_norm(qk[:, :c.num_heads].contiguous(), layer.q_norm),
+                            self._rms_norm(qk[:, c.num_heads:].contiguous(), layer.k_norm)], dim=1)
+        local = c.spec.is_local(index)
+        cos, signed_sin = step.local_rope if local and step.local_rope is not None else (step.cos, step.signed_sin)
+        qk = self._rope(qk, cos, signed_sin)
         if observe is not None:
             observe(index, "keys", qk[:, c.num_heads:])
         if step.key_centres is not None:  # keys only: the shift is the same for every key of a query
@@ -163,28 +205,36 @@ class LlamaLayers:
             v = v.to(rot.dtype) @ rot  # v comes in the linear's dtype (bf16/fp16 on fast paths)
         use_triton = self.backend.triton
         kv.write(index, k, v, batch.slot_mapping, use_triton=use_triton)
-        scale = c.head_dim ** -0.5
+        window = c.spec.sliding_window if local else None
+        softcap = c.spec.attn_softcap
         if batch.is_decode:
-            attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, scale,
+            attn = paged_decode_attention(q, kv, index, batch.block_tables, batch.context_lens, self._scale,
                                           use_triton=use_triton, use_cpu_ops=self.backend.cpu_ops,
-                                          max_context_len=batch.max_context_len, seq_view=batch.seq_view)
+                                          max_context_len=batch.max_context_len, seq_view=batch.seq_view,
+                                          window=window, softcap=softcap)
         else:
             attn = paged_prefill_attention(q, kv, index, batch.block_tables, batch.context_lens,
-                                           batch.query_start_loc, scale, use_triton=use_triton)
+                                           batch.query_start_loc, self._scale, use_triton=use_triton,
+                                           window=window, softcap=softcap)
         if kv.transform_v:
             attn = attn @ rot.t()
         x = attn.reshape(num_tokens, q_size).to(h.dtype)
         if observe is not None:
             observe(index, "o", x)
-        h = h + linear(x, layer.o, self._scratch)
+        h = h + self._sandwich(linear(x, layer.o, self._scratch), layer.attn_out_norm)
         x = self._rms_norm(h, layer.post_norm)
         if observe is not None:
             observe(index, "gate_up", x)
         gate, up = linear(x, layer.gate_up, self._scratch).chunk(2, dim=-1)
-        x = F.silu(gate) * up
+        x = self._act(gate) * up
         if observe is not None:
             observe(index, "down", x)
-        return h + linear(x, layer.down, self._scratch)
+        return h + self._sandwich(linear(x, layer.down, self._scratch), layer.mlp_out_norm)
+
+    def _sandwich(self, x: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        """A block's output before it joins the residual stream: normed where the spec has
+        sandwich norms (Gemma)."""
+        return x if norm is None else self._rms_norm(x.float().contiguous(), norm)
 
 
 class LlamaModel(LlamaLayers):
@@ -232,12 +282,13 @@ class LlamaModel(LlamaLayers):
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         logits = linear(h, self.weights.head).float()
-        if self.weights.head_exact is None:
-            return logits
-        top = logits.topk(min(HEAD_REFINE_ROWS, logits.shape[-1]), dim=-1).indices  # (L, R)
-        rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
-        exact = torch.einsum("lh,lrh->lr", h.float(), rows)  # rows (L, R, hidden)
-        return logits.scatter_(-1, top, exact)
+        if self.weights.head_exact is not None:
+            top = logits.topk(min(HEAD_REFINE_ROWS, logits.shape[-1]), dim=-1).indices  # (L, R)
+            rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
+            exact = torch.einsum("lh,lrh->lr", h.float(), rows)  # rows (L, R, hidden)
+            logits.scatter_(-1, top, exact)
+        cap = self.config.spec.final_softcap  # monotonic: the refined rows stay the best
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _fused_step(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
         c = self.config
@@ -258,7 +309,7 @@ class LlamaModel(LlamaLayers):
         cpu_ops.decode_layers(
             h, self.weights.fused, self.weights.fused_group, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
-            tables, context_lens, c.num_heads, c.head_dim ** -0.5, c.rms_norm_eps, **params,
+            tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))
 
@@ -276,3 +327,8 @@ class LlamaModel(LlamaLayers):
         for index, layer in enumerate(self.weights.layers):
             h = self.decoder_layer(index, layer, h, step)
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))
+
+
+def _inv_freq(theta: float, head_dim: int) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim / 2,) in float64: the tables are rounded to fp32 once."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -20,40 +20,50 @@ the refined head rows when tied) from the file (quant.gguf_import.FileRows).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from edgeinfer.config import ModelConfig
+from edgeinfer.config import ArchSpec, ModelConfig
 from edgeinfer.models.host_memory import trim_heap
 from kernels import cpu_ops
 from kernels.dispatch import Backend, PreparedLinear, prepare_linear
 from quant.formats import QuantizedTensor, concat_rows, quantize_int4
 from quant.gguf_import import FileRows, LazyWeights, RowReader
 
+log = logging.getLogger(__name__)
+
 Weight = torch.Tensor | QuantizedTensor
 
+# ArchSpec features the fused C++ step (kernels/cpu/decode_layers.cpp, Llama's layer) lacks: a
+# model with one runs the per-op forward. (RoPE scaling, norm offsets, fused checkpoint weights,
+# the attention scale, the embedding scale and the final soft-cap all live outside that step.)
+FUSED_STEP_LACKS = ("qkv_bias", "qk_norm", "sandwich_norms", "activation", "attn_softcap", "sliding_window")
 
-# The checkpoint weights ("model.layers.{i}.{part}.weight") behind each of a PreparedLayer's
-# linears, in the order the forward runs them; the parts of one linear share its input and are
-# fused into one weight.
-LINEAR_PARTS = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
-}
+
+def spec_features(spec: ArchSpec, names: Sequence[str]) -> list[str]:
+    """Which of the ArchSpec fields ``names`` differ from Llama's."""
+    return [name for name in names if getattr(spec, name) != getattr(ArchSpec(), name)]
 
 
 @dataclass(frozen=True)
 class PreparedLayer:
+    """One layer's weights as the forward reads them; the optional ones per the ArchSpec.
+    Norm weights include the spec's norm offset."""
+
     input_norm: torch.Tensor
-    qkv: PreparedLinear
+    qkv: PreparedLinear  # the checkpoint's q, k, v rows, one linear (ArchSpec.linear_parts)
     o: PreparedLinear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # before the MLP
     gate_up: PreparedLinear
     down: PreparedLinear
+    qkv_bias: torch.Tensor | None = None  # ((Hq + 2 Hkv) * D,)
+    q_norm: torch.Tensor | None = None  # (D,), over each head
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms on the blocks' outputs
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -101,28 +111,44 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
     prepared_head = prepare_linear(head, backend)
     del head  # the int4 copy's codes (14 MB) were repacked for the kernel
     trim_heap()
+    spec = config.spec
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        layers.append(prepare_layer(lambda name: get(p + name + ".weight"), backend))  # noqa: B023
+        layers.append(prepare_layer(lambda name: get(p + name), backend, spec))  # noqa: B023
         trim_heap()  # the layer's staging copies, before the next layer's land between them
-    norm = _dense(get("model.norm.weight"), device)
-    fused, fused_group = _fused_step_weights(layers, backend)
+    norm = _dense(get("model.norm.weight"), device) + spec.norm_offset
+    fused, fused_group = None, 0
+    lacking = spec_features(spec, FUSED_STEP_LACKS)
+    if not lacking:
+        fused, fused_group = _fused_step_weights(layers, backend)
+    elif backend.fused_step_max_tokens:
+        log.info("%s: steps run layer by layer (the fused C++ step lacks %s)", config.architecture, ", ".join(lacking))
     return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused, fused_group)
 
 
-def prepare_layer(get: Callable[[str], Weight], backend: Backend) -> PreparedLayer:
-    """One decoder layer's weights, ``get(part)`` giving the checkpoint weight named
-    "model.layers.{i}.{part}.weight" (a LINEAR_PARTS part or a norm), read in the forward's order."""
+def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec) -> PreparedLayer:
+    """One decoder layer's weights, ``get(name)`` giving the checkpoint tensor named
+    "model.layers.{i}.{name}" (ArchSpec.layer_weight_names), read in the forward's order."""
     device = backend.device
-    prep = lambda parts: prepare_linear(_fuse([get(part) for part in parts], backend), backend)  # noqa: E731
+    parts = spec.linear_parts()
+    norm_names = spec.norm_names()
+    prep = lambda linear: prepare_linear(  # noqa: E731
+        _fuse([get(f"{part}.weight") for part in parts[linear]], backend), backend)
+    norm = lambda role: (  # noqa: E731
+        _dense(get(f"{norm_names[role]}.weight"), device) + spec.norm_offset if role in norm_names else None)
     return PreparedLayer(
-        input_norm=_dense(get("input_layernorm"), device),
-        qkv=prep(LINEAR_PARTS["qkv"]),
-        o=prep(LINEAR_PARTS["o"]),
-        post_norm=_dense(get("post_attention_layernorm"), device),
-        gate_up=prep(LINEAR_PARTS["gate_up"]),
-        down=prep(LINEAR_PARTS["down"]),
+        input_norm=norm("input_norm"),
+        qkv=prep("qkv"),
+        o=prep("o"),
+        post_norm=norm("post_norm"),
+        gate_up=prep("gate_up"),
+        down=prep("down"),
+        qkv_bias=torch.cat([_dense(get(f"{part}.bias"), device) for part in parts["qkv"]]) if spec.qkv_bias else None,
+        q_norm=norm("q_norm"),
+        k_norm=norm("k_norm"),
+        attn_out_norm=norm("attn_out_norm"),
+        mlp_out_norm=norm("mlp_out_norm"),
     )
 
 

@@ -217,7 +217,7 @@ def test_rope_tables_grow_with_the_contexts_seen_and_stop_at_the_model_context()
     loaded = synthetic_model(config, "int4", group_size=32, seed=5)
     grown, full = LlamaModel(config, loaded.weights), LlamaModel(config, loaded.weights)
     assert grown._cos.shape[0] == 256  # the CPU starts small
-    full._cos, full._sin = full._rope_tables(config.max_position)
+    full._cos, full._sin = full._rope_tables(config.max_position, full._inv_freq)
     ids = torch.randint(0, config.vocab_size, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     table = tuple(range(80))  # 320 slots: room for the prompt and 20 decode steps
     logits = {}

@@ -170,6 +170,29 @@ def test_prefill_triton_matches_reference(k_dtype, v_dtype, group, head_dim):
     torch.testing.assert_close(out, ref, rtol=0, atol=4e-3)
 
 
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (20, 1.5)])
+@pytest.mark.parametrize("fast", [True, False], ids=["kernels_asked", "torch"])
+def test_window_and_softcap_match_reference(window, softcap, fast):
+    """Sliding windows and soft-capped scores (Gemma, Mistral): decode over several sequences,
+    one sequence (the view path) and prefill against the references. Asking for the Triton or
+    C++ kernels, which lack both, still takes the torch path (triton is never imported here)."""
+    kernels = {"use_triton": fast}
+    lens = [1, 13, 70, 33]
+    pool, tables = build("fp32", "fp32", 64, 2, lens, seed=9)
+    q = _q((len(lens), 6, 64), seed=4) * 3  # large scores: the cap bites
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    extra = {"window": window, "softcap": softcap}
+    out = paged_decode_attention(q, pool, LAYER, tables, context_lens, 0.125, use_cpu_ops=fast, **kernels, **extra)
+    ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, 0.125, **extra)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    one = paged_decode_attention(q[2:3], pool, LAYER, tables[2:3], context_lens[2:3], 0.125, **extra)
+    torch.testing.assert_close(one, ref[2:3], rtol=1e-5, atol=1e-5)
+    pool, tables, q, context_lens, starts = _prefill_case("fp32", "fp32", 64, 3, seed=5)
+    out = paged_prefill_attention(q * 3, pool, LAYER, tables, context_lens, starts, 0.125, **kernels, **extra)
+    ref = paged_prefill_attention_reference(q * 3, pool, LAYER, tables, context_lens, starts, 0.125, **extra)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_then_decode_agree_on_the_same_token():
     """The last prefill row and a decode of that token see the same context: same output."""
     pool, tables, q, context_lens, starts = _prefill_case("int8", "int4", 64, 3, seed=6)

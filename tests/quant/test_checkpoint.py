@@ -17,7 +17,7 @@ from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer, _bytes_to_unicode
 from quant.checkpoint import CheckpointError, load_checkpoint, read_header, save_checkpoint
 from quant.formats import QuantizedTensor, dequantize_nf4, quantize_int4, quantize_int8
-from quant.gguf_import import expected_weight_names
+from quant.gguf_arch import expected_weight_names
 from quant.nf4 import bitsandbytes_available, quantize_nf4
 
 TINY = ModelConfig(
