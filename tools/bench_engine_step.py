@@ -12,13 +12,14 @@
 
 Wraps the engine's internals with timers (private attributes): a measurement tool, not an API.
 
-    python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128]
+    python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import time
@@ -47,9 +48,12 @@ def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-async def step_breakdown(runs: int, new_tokens: int) -> None:
+async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False) -> None:
     config = EngineConfig(str(default_model_path()), RuntimeConfig(num_kv_blocks=64), SchedulerConfig())
     async with Engine(config) as engine:
+        if per_op:  # what an architecture the fused C++ step does not cover runs (issue #21's fallback)
+            model = engine._runner.model
+            model.backend = dataclasses.replace(model.backend, fused_step_max_tokens=0)
         forward: list[float] = []
         execute: list[float] = []
         plan: list[float] = []
@@ -114,11 +118,13 @@ def main() -> int:
     parser.add_argument("what", nargs="?", default="all", choices=("step", "threads", "all"))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--per-op", action="store_true",
+                        help="step: the per-op forward instead of the fused C++ step (the fallback's cost)")
     args = parser.parse_args()
     if args.what in ("threads", "all"):
         gemm_on_threads()
     if args.what in ("step", "all"):
-        asyncio.run(step_breakdown(args.runs, args.new_tokens))
+        asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op))
     return 0
 
 
