@@ -25,7 +25,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from edgeinfer.models.discover import FoundModel, discover
+from edgeinfer.models.discover import FoundModel, discover, hf_cache_root
 from edgeinfer.models.pull import PullError, cache_dir, default_model_path, pull
 
 MANIFEST_VERSION = 1
@@ -190,7 +190,7 @@ def _source_of(manifest: Path) -> object:
 def import_model(path: Path, name: str | None = None, copy: bool = False, source: str | None = None,
                  progress: bool = True) -> FoundModel:
     """Add a local GGUF, HF folder or edgeinfer checkpoint to the store (by reference, or copied)."""
-    path = path.expanduser().resolve()
+    path = path.expanduser().absolute()  # not resolved: an HF snapshot's link, not its hash-named blob
     fmt = model_format(path)
     name = _check_name(name or _derived_name(path))
     manifest = store_dir() / f"{name}.json"
@@ -222,7 +222,8 @@ def hub_spec(spec: str) -> tuple[str, str | None] | None:
     return f"{parts[0]}/{parts[1]}", parts[2] if len(parts) == 3 else None
 
 
-def pull_hub(repo_id: str, filename: str | None, name: str | None, progress: bool) -> FoundModel:
+def pull_hub(repo_id: str, filename: str | None, name: str | None, progress: bool,
+             env: Mapping[str, str] = os.environ) -> FoundModel:
     """Download a GGUF (or an HF folder's config, tokenizer and safetensors) into the HF cache."""
     import huggingface_hub
     from huggingface_hub.utils import disable_progress_bars
@@ -230,11 +231,12 @@ def pull_hub(repo_id: str, filename: str | None, name: str | None, progress: boo
     if not progress:
         disable_progress_bars()
     asked = f"{repo_id}/{filename}" if filename else repo_id
+    cache = hf_cache_root(env)  # the folder `list` searches (huggingface_hub reads it once, at import)
     try:
         if filename:
-            local = Path(huggingface_hub.hf_hub_download(repo_id, filename))
+            local = Path(huggingface_hub.hf_hub_download(repo_id, filename, cache_dir=cache))
         else:
-            local = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FOLDER_FILES))
+            local = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_HUB_FOLDER_FILES, cache_dir=cache))
     except (OSError, ValueError) as exc:  # every huggingface_hub error is one of these
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise StoreError(f"could not fetch {asked} from the Hugging Face hub: {reason}") from None
