@@ -178,3 +178,24 @@ def test_show_reads_headers_only(stores: Stores) -> None:
     assert (folder.format, folder.architecture, folder.context_length, folder.chat_template) == (
         "hf", "llama", 256, True)
     assert folder.tensor_types == {"F16": 1, "F32": 1} and folder.num_parameters == 3 * 64 + 64
+
+
+def test_show_reads_a_checkpoints_formats(tmp_path: Path) -> None:
+    import torch
+
+    from edgeinfer.config import ModelConfig
+    from quant.checkpoint import save_checkpoint
+    from quant.formats import quantize_int4
+
+    class Template:
+        def save(self, folder: str | Path) -> None:
+            (Path(folder) / "chat_template.jinja").write_text("{{ messages }}")
+
+    config = ModelConfig(vocab_size=3, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=32, max_position=512)
+    weights = [("model.embed_tokens.weight", torch.zeros(3, 64, dtype=torch.float16)),
+               ("model.layers.0.mlp.up_proj.weight", quantize_int4(torch.randn(128, 64), 32))]
+    folder = save_checkpoint(tmp_path / "ckpt", config, Template(), weights, [n for n, _ in weights])
+    info = model_info(folder)
+    assert (info.format, info.context_length, info.chat_template, info.config) == ("edgeinfer", 512, True, config)
+    assert info.tensor_types == {"fp16": 1, "int4": 1} and info.num_parameters == 3 * 64 + 128 * 64
