@@ -263,6 +263,8 @@ def pull_model(spec: str | None, name: str | None = None, copy: bool = False, pr
 def remove_model(name: str, env: Mapping[str, str] = os.environ) -> FoundModel:
     """Forget a store entry; delete its files only when the store owns them (a copy, the default)."""
     entry = _find(name, store_models()) if name not in DEFAULT_NAMES else _default_entry()
+    if entry is None and name in DEFAULT_NAMES:
+        raise StoreError(f"the default model is not in the store ({default_model_path()}): nothing to remove")
     if entry is None:
         elsewhere = _find(name, discover(env))
         if elsewhere is not None:

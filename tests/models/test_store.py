@@ -199,3 +199,19 @@ def test_show_reads_a_checkpoints_formats(tmp_path: Path) -> None:
     info = model_info(folder)
     assert (info.format, info.context_length, info.chat_template, info.config) == ("edgeinfer", 512, True, config)
     assert info.tensor_types == {"fp16": 1, "int4": 1} and info.num_parameters == 3 * 64 + 128 * 64
+
+
+def test_quantize_and_eval_ppl_take_names(stores: Stores, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """quant/cli.py resolves names through the store too (it may not import edgeinfer/cli)."""
+    from quant.cli import eval_ppl_main, quantize_main
+
+    assert quantize_main(["tiny-lama", str(tmp_path / "out"), "--weights", "int8", "-q"]) == 2
+    assert "no model named 'tiny-lama': did you mean tiny-llama" in capsys.readouterr().err
+    stores.ollama_blob.unlink()
+    assert eval_ppl_main(["tiny:latest"]) == 2
+    assert f"ollama blob {stores.ollama_blob}" in capsys.readouterr().err
+
+
+def test_rm_of_the_absent_default_says_so(stores: Stores) -> None:
+    with pytest.raises(StoreError, match="the default model is not in the store"):
+        remove_model("smollm2")
