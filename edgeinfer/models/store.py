@@ -125,9 +125,11 @@ def resolve_model(arg: str, env: Mapping[str, str] = os.environ) -> Path:
     models = all_models(env)
     model = _find(arg, models)
     if model is None:
-        if os.sep in arg or arg.endswith(".gguf"):  # meant as a path: say so, as the loader does
+        error = _unknown(arg, models)
+        # Meant as a path, with no name like it (ORG/REPO names have slashes too): say so, as the loader does.
+        if arg.startswith(("/", ".", "~")) or (arg.endswith(".gguf") and "did you mean" not in str(error)):
             raise FileNotFoundError(f"model not found: {arg}")
-        raise _unknown(arg, models)
+        raise error
     if model.problem:
         raise StoreError(model.problem)
     return model.path

@@ -61,6 +61,8 @@ def test_unknown_name_lists_close_matches(stores: Stores) -> None:
         resolve_model("tiny-lama")
     with pytest.raises(FileNotFoundError, match="model not found: nowhere/x.gguf"):
         resolve_model("nowhere/x.gguf")
+    with pytest.raises(StoreError, match="did you mean acme/tiny-hf"):
+        resolve_model("acme/tiny-hff")
 
 
 def test_import_by_reference_then_rm_keeps_the_file(stores: Stores) -> None:
