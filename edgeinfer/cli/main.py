@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # a file, the network, a bad value: one line
         print(f"edgeinfer: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
