@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from edgeinfer.config import KV_DTYPES, LINEAR_PATHS
+from edgeinfer.models.store import resolve_model
 from quant.formats import GROUP_SIZES
 from quant.gguf_import import ModelFileError
 
@@ -25,7 +26,8 @@ def _quantize_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgeinfer quantize", description="Convert a model into an edgeinfer checkpoint."
     )
-    p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected)")
+    p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected), or its "
+                   "name from `edgeinfer list`")
     p.add_argument("dst", help="checkpoint folder to write (atomically)")
     p.add_argument("--weights", required=True, choices=WEIGHT_FORMATS, help="format of the linear layers")
     p.add_argument(
@@ -92,7 +94,7 @@ def quantize_main(argv: list[str]) -> int:
             force=args.force,
             verbose=args.verbose,
         )
-        report = convert(args.src, args.dst, opts, progress=None if args.quiet else progress)
+        report = convert(str(resolve_model(args.src)), args.dst, opts, progress=None if args.quiet else progress)
     except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors
         progress.close()
         print(f"edgeinfer quantize: error: {exc}", file=sys.stderr)
@@ -109,7 +111,7 @@ def _ppl_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgeinfer eval-ppl", description="Perplexity over a fixed slice of a text."
     )
-    p.add_argument("model", help="GGUF file, HF folder or edgeinfer checkpoint")
+    p.add_argument("model", help="GGUF file, HF folder or edgeinfer checkpoint, or its name from `edgeinfer list`")
     p.add_argument("--text", default=DEFAULT_TEXT, help=f"text file (default {DEFAULT_TEXT})")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text to score (default 4096)")
     p.add_argument("--window", type=int, default=512, help="window length (default 512)")
@@ -134,7 +136,7 @@ def eval_ppl_main(argv: list[str]) -> int:
         # file gives the same number on every path.
         runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype, exact_head=True)
         print(f"edgeinfer eval-ppl: loading {args.model} ...", file=sys.stderr, flush=True)
-        async with Engine(engine_config(args.model, args.window, runtime)) as engine:
+        async with Engine(engine_config(str(resolve_model(args.model)), args.window, runtime)) as engine:
             token_ids = text_tokens(engine.tokenizer, args.text, args.tokens)
             print(f"edgeinfer eval-ppl: scoring {len(token_ids)} tokens of {args.text} in windows of {args.window}",
                   file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""The `edgeinfer` command: pull, generate, chat, bench, serve, daemon, quantize, eval-ppl.
+"""The `edgeinfer` command: generate, chat, bench, serve, daemon, quantize, eval-ppl, and the model
+store's pull, list, show and rm (cli/models.py).
 
 Each subcommand parses its flags here and calls into the package; nothing else reads argv.
 """
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgeinfer.cli.models import add_model_commands
 from edgeinfer.cli.options import HelpFormatter, add_runtime_args, model_path, runtime_config, version
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.host_memory import return_large_frees_to_the_os
@@ -22,13 +24,6 @@ from edgeinfer.models.host_memory import return_large_frees_to_the_os
 if TYPE_CHECKING:
     from edgeinfer.core.events import Finished
     from edgeinfer.core.sampling_params import SamplingParams
-
-
-def cmd_pull(args: argparse.Namespace) -> int:
-    from edgeinfer.models.pull import pull
-
-    print(pull())
-    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -186,8 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgeinfer {version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("pull", help="fetch the default model into the cache",
-                   formatter_class=HelpFormatter).set_defaults(func=cmd_pull)
+    add_model_commands(sub)
 
     gen = sub.add_parser("generate", help="complete one prompt; prints only the completion",
                          formatter_class=HelpFormatter)
@@ -209,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the current-length heuristic (false), or only when none can win at any length (never)")
     gen.add_argument("--speculative", choices=("ngram",), default=None,
                      help="speculative decoding with prompt-lookup drafts (helps when the answer copies the prompt)")
-    gen.add_argument("--draft-model", metavar="PATH",
+    gen.add_argument("--draft-model", metavar="MODEL",
                      help="speculative decoding with this model drafting (same vocabulary), e.g. the int4 "
                           "GGUF for an int8 or bf16 checkpoint of the same model")
     add_runtime_args(gen, memory_budget=False)
@@ -259,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # a file, the network, a bad value: one line
         print(f"edgeinfer: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

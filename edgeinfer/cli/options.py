@@ -10,11 +10,12 @@ from edgeinfer.config import DEFAULT_CONTEXT, KV_DTYPES, LINEAR_PATHS, RuntimeCo
 
 
 def model_path(arg: str | None) -> Path:
-    """--model, else the default model (pulled if missing)."""
+    """--model (a path, or a name from `edgeinfer list`), else the default model (pulled if missing)."""
     from edgeinfer.models.pull import default_model_path, pull
+    from edgeinfer.models.store import resolve_model
 
     if arg:
-        return Path(arg)
+        return resolve_model(arg)
     path = default_model_path()
     return path if path.is_file() else pull()
 
@@ -76,7 +77,8 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
     """The model and runtime flags every model-running subcommand shares; ``memory_budget`` adds
     the memory plan's --ctx, --parallel and --kv-memory, for the commands that serve many requests
     (generate and bench size their pool to the one request they run)."""
-    p.add_argument("--model", help="GGUF file, HF folder or edgeinfer checkpoint (default: the pulled default model)")
+    p.add_argument("--model", help="a name from `edgeinfer list`, or a GGUF file, HF folder or edgeinfer checkpoint "
+                   "(default: the pulled default model)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
                    help="where the model runs (auto: cuda when torch sees a GPU)")
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
