@@ -153,6 +153,21 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int
     return g.reshape(n, k)
 
 
+def as_int8(weight: QuantizedTensor, group_size: int, dtype: torch.dtype) -> QuantizedTensor:
+    """The same int4 or int8 weight as int8 with mins, in groups of ``group_size`` (dividing its
+    own) and ``dtype`` scales and mins: exact (an int4 code 0..15 is an int8 code; a group's scale
+    and min repeat over its parts; a missing min is 0), so that parts of mixed formats can be
+    fused (a GGUF Q4_K_M's Q6_K V beside its Q4_K Q and K)."""
+    if weight.format not in ("int4", "int8") or weight.group_size % group_size:
+        raise ValueError(f"as_int8 takes int4/int8 with a group that {group_size} divides, got {weight.format} "
+                         f"group {weight.group_size}")
+    codes = unpack_int4(weight.qweight).to(torch.int8) if weight.format == "int4" else weight.qweight
+    repeat = weight.group_size // group_size
+    scales = weight.scales.to(dtype).repeat_interleave(repeat, dim=1)
+    mins = torch.zeros_like(scales) if weight.mins is None else weight.mins.to(dtype).repeat_interleave(repeat, dim=1)
+    return QuantizedTensor("int8", weight.shape, group_size, codes, scales, mins)
+
+
 def concat_rows(weights: list[QuantizedTensor]) -> QuantizedTensor:
     """Stack weights along N (QKV, gate/up fusion): same format, K, group size and dtypes required."""
     if not weights:

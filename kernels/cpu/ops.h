@@ -8,8 +8,9 @@
 
 namespace edgeinfer_cpu {
 
-// quantized_gemm.cpp: y (M, N) = x (M, K) @ W.T, x rounded to int16 with a scale per 4 values.
-void int4_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+// quantized_gemm.cpp: y (M, N) = x (M, K) @ W.T, x rounded to int16 with a scale per 4 values;
+// W int4 (uint8 codes, mins) or int8 (int8 codes; mins undefined or empty: none; group 16 too).
+void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t group_size, float* y);
 
 // rms_norm.cpp: out = x / sqrt(mean(x^2) + eps) * weight, row by row.
