@@ -31,23 +31,26 @@ def _k_nibbles(codes: np.ndarray) -> np.ndarray:
     return (low | (high << 4)).reshape(*codes.shape[:-2], 128).astype(np.uint8)
 
 
-def q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+def q4_k(rng: np.random.Generator, n: int, k: int, scale: float = 1.0) -> np.ndarray:
     s = (n, k // 256)
     sc, mn = rng.integers(1, 64, (*s, 8), dtype=np.uint8), rng.integers(0, 64, (*s, 8), dtype=np.uint8)
     codes = rng.integers(0, 16, (*s, 8, 32), dtype=np.uint8)
-    return np.concatenate((_f16(rng, s), _f16(rng, s), _pack_k_scales(sc, mn), _k_nibbles(codes)), axis=-1)
+    d = _f16(rng, s, 1e-3 * scale, 2e-2 * scale)
+    dmin = _f16(rng, s, 1e-3 * scale, 2e-2 * scale)
+    return np.concatenate((d, dmin, _pack_k_scales(sc, mn), _k_nibbles(codes)), axis=-1)
 
 
-def q5_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+def q5_k(rng: np.random.Generator, n: int, k: int, scale: float = 1.0) -> np.ndarray:
     s = (n, k // 256)
     sc, mn = rng.integers(1, 64, (*s, 8), dtype=np.uint8), rng.integers(0, 64, (*s, 8), dtype=np.uint8)
     codes = rng.integers(0, 32, (*s, 8, 32), dtype=np.uint8)
     qh = ((codes >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2).astype(np.uint8)  # (.., 32)
-    return np.concatenate((_f16(rng, s), _f16(rng, s), _pack_k_scales(sc, mn), qh, _k_nibbles(codes & 0x0F)),
-                          axis=-1)
+    d = _f16(rng, s, 1e-3 * scale, 2e-2 * scale)
+    dmin = _f16(rng, s, 1e-3 * scale, 2e-2 * scale)
+    return np.concatenate((d, dmin, _pack_k_scales(sc, mn), qh, _k_nibbles(codes & 0x0F)), axis=-1)
 
 
-def q6_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+def q6_k(rng: np.random.Generator, n: int, k: int, scale: float = 1.0) -> np.ndarray:
     s = (n, k // 256)
     codes = rng.integers(0, 64, (*s, 2, 4, 32), dtype=np.uint8)  # (half, c, l): element 128h + 32c + l
     ql = np.concatenate(((codes[..., 0, :] & 0x0F) | ((codes[..., 2, :] & 0x0F) << 4),
@@ -55,16 +58,18 @@ def q6_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     qh = sum((codes[..., c, :] >> 4) << (2 * c) for c in range(4)).astype(np.uint8)  # (.., 2, 32)
     scales = rng.integers(-128, 128, (*s, 16), dtype=np.int8).view(np.uint8)
     scales[scales == 0] = 1
-    return np.concatenate((ql.reshape(*s, 128), qh.reshape(*s, 64), scales, _f16(rng, s, 1e-4, 2e-3)), axis=-1)
+    return np.concatenate((ql.reshape(*s, 128), qh.reshape(*s, 64), scales, _f16(rng, s, 1e-4 * scale, 2e-3 * scale)),
+                          axis=-1)
 
 
-def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+def random_blocks(kind: str, n: int, k: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
     """Raw bytes (flat uint8) of an (n, k) tensor of GGUF type ``kind``: K-quants packed from random
-    codes and scales, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 by gguf.quants.quantize of random values."""
+    codes and scales, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 by gguf.quants.quantize of random values;
+    ``scale`` multiplies the super-block scales' range (the others' values: 0.05 * scale)."""
     rng = np.random.default_rng(seed)
     if kind in K_TYPES:
-        return {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}[kind](rng, n, k).reshape(-1)
+        return {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}[kind](rng, n, k, scale).reshape(-1)
     import gguf
 
-    values = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    values = rng.standard_normal((n, k)).astype(np.float32) * 0.05 * scale
     return gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind]).reshape(-1)
