@@ -73,8 +73,20 @@ def test_requantized_types_report_their_error(tmp_path: Path, caplog: pytest.Log
     assert convert_tensor(tensor, read_tensor(path, tensor)).format == "int4"
 
 
+def test_a_type_nothing_can_read_is_refused_by_name(tmp_path: Path) -> None:
+    import gguf
+
+    from quant.gguf_import import ModelFileError, open_gguf_model
+
+    path = tmp_path / "q8k.gguf"
+    _write_tiny(path, gguf.GGMLQuantizationType.Q8_K)  # gguf.quants has no dequantizer for it
+    with pytest.raises(ModelFileError, match=r"blk.0.ffn_down.weight has GGUF type Q8_K.*supported: F32"):
+        open_gguf_model(path)
+
+
 def _write_tiny(path: Path, down_type: int) -> None:
-    """A one-layer llama GGUF (enough for open_gguf_model) whose ffn_down is random Q2_K bytes."""
+    """A one-layer llama GGUF (enough for open_gguf_model) whose ffn_down is random bytes of
+    ``down_type`` (a 256-element block type), with Q2_K's d and dmin made finite."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -83,8 +95,8 @@ def _write_tiny(path: Path, down_type: int) -> None:
         getattr(writer, f"add_{key}")(value)
     writer.add_token_list(["a", "b", "c"])
     writer.add_tensor("token_embd.weight", np.ones((3, 256), np.float32))
-    raw = np.random.default_rng(1).integers(0, 256, (256, 84), dtype=np.uint8)
-    raw[:, 80:84] = np.array([0.01, 0.001], np.float16).view(np.uint8)  # d, dmin: finite
+    raw = np.random.default_rng(1).integers(0, 256, (256, gguf.GGML_QUANT_SIZES[down_type][1]), dtype=np.uint8)
+    raw[:, 80:84] = np.array([0.01, 0.001], np.float16).view(np.uint8)  # Q2_K's d, dmin: finite
     writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=down_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
