@@ -138,8 +138,9 @@ def dequantize_into(weight: CpuInt4Weight, out: torch.Tensor) -> torch.Tensor:
 
 
 def read_rows(fd: int, offset: int, num_rows: int, k: int, ggml_type: int, row_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 (len(row_ids), k) rows of a (num_rows, k) GGUF matrix (F32, F16, BF16, Q4_0, Q4_1 or
-    Q8_0) stored at byte ``offset`` of the open file ``fd``; one pread per row."""
+    """fp32 (len(row_ids), k) rows of a (num_rows, k) GGUF matrix (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) stored at byte ``offset`` of the open file ``fd``; one pread
+    per row."""
     return torch.ops.edgeinfer_cpu.read_rows(fd, offset, num_rows, k, ggml_type, row_ids)
 
 

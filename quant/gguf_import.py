@@ -247,7 +247,8 @@ def open_gguf_model(path: str | os.PathLike[str]) -> GGUFSource:
 
 # GGUF types kernels.cpu_ops.read_rows decodes (a tensor of another type is loaded whole).
 _ROW_TYPES = {GGMLType.F32: None, GGMLType.F16: None, GGMLType.BF16: None,
-              GGMLType.Q4_0: "int4", GGMLType.Q4_1: "int4", GGMLType.Q8_0: "int8"}
+              GGMLType.Q4_0: "int4", GGMLType.Q4_1: "int4", GGMLType.Q8_0: "int8", GGMLType.Q5_0: "int8",
+              GGMLType.Q5_1: "int8", GGMLType.Q4_K: "int4", GGMLType.Q5_K: "int8", GGMLType.Q6_K: "int8"}
 
 
 RowReader = Callable[[int, int, int, int, int, torch.Tensor], torch.Tensor]  # (fd, offset, n, k, type, ids)
