@@ -7,9 +7,9 @@ them (an x86 CPU that torch runs at AVX2 or better, a working compiler;
 ``EDGEINFER_CPU_KERNEL=torch`` turns them off); where not, callers use their torch path.
 
 The ops and their references:
-- ``int4_linear`` / ``int8_linear`` / ``dequantize_into`` (quantized_gemm.cpp): int4 x int16 and
-  int8 x int16 GEMMs (int8 with or without mins, groups of 16 or multiples of 32) and the int4
-  dequantizer; activations are rounded to int16 with one scale per
+- ``int4_linear`` / ``int8_linear`` (quantized_gemm.cpp) / ``dequantize_into``
+  (int4_dequantize.cpp): int4 x int16 and int8 x int16 GEMMs (int8 with or without mins, groups
+  of 16 or multiples of 32) and the int4 dequantizer; activations are rounded to int16 with one scale per
   4 values (llama.cpp's int8 with one per 32 broke greedy parity with the fp32 reference on the
   default model), and kernels.reference.int16_activation_gemm_reference makes the same rounding,
   so tests compare the two tightly and each against the exact fp32 product.

@@ -1,6 +1,7 @@
-// int4 and int8 weight x int16 activation GEMMs for AVX2 CPUs, and the int4 dequantizer.
+// int4 and int8 weight x int16 activation GEMMs for AVX2 CPUs (the int4 dequantizer for wider
+// batches is int4_dequantize.cpp).
 //
-// Ops torch.ops.edgeinfer_cpu.int4_gemm / int8_gemm / int4_dequantize; kernels/cpu_ops.py builds
+// Ops torch.ops.edgeinfer_cpu.int4_gemm / int8_gemm; kernels/cpu_ops.py builds
 // them, prepares weights and names the torch reference
 // (kernels.reference.int16_activation_gemm_reference).
 //
@@ -90,13 +91,6 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* scale, float* su
       scale[b * 8 + 4 + l] = second_max[2 * l] / 32767.0f;
     }
   }
-}
-
-// The block's 32 codes as bytes, in order (the dequantizer's form).
-inline __m256i unpack_block(const uint8_t* w) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
 // Block b's codes 0..15 and 16..31 of a weight row as two vectors of 16 int16. int4: one
@@ -283,18 +277,6 @@ void gemm(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks
   gemm_columns<1, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m, n_tiled, n, y, n);
 }
 
-void check_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "int4 weight must be contiguous uint8 (N, K/2)");
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0, "group_size must be a positive multiple of 32, got ", group_size);
-  const int64_t k = w.size(1) * 2;
-  TORCH_CHECK(k % group_size == 0, "group_size ", group_size, " does not divide K=", k);
-  TORCH_CHECK(scales.scalar_type() == mins.scalar_type(), "scales and mins must have one dtype");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
-  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "scales and mins must be contiguous");
-  TORCH_CHECK(scales.numel() == w.size(0) * (k / group_size) && mins.numel() == scales.numel(),
-              "scales and mins must hold N * K / group_size values");
-}
-
 template <typename S, bool kInt8>
 void gemm_kind(const uint8_t* codes, const S* s, const S* mn, bool g16, int64_t group_blocks, const Activations& act,
                int64_t m, int64_t n, float* y) {
@@ -357,7 +339,7 @@ void quantized_gemm(const float* xp, int64_t m, const at::Tensor& w, const at::T
 
 at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                      int64_t group_size) {
-  check_weight(w, scales, mins, group_size);
+  edgeinfer_cpu::check_int4_weight(w, scales, mins, group_size);
   const int64_t k = w.size(1) * 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -387,47 +369,20 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   return y;
 }
 
-template <typename S>
-void dequantize_rows(const uint8_t* w, const S* scales, const S* mins, int64_t group_size, int64_t n, int64_t k,
-                     float* out) {
-  const int64_t groups = k / group_size;
-  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r) {
-      for (int64_t b = 0; b < k / kBlock; ++b) {
-        const int64_t g = r * groups + b * kBlock / group_size;
-        const __m256 s = _mm256_set1_ps(to_float(scales[g]));
-        const __m256 mi = _mm256_set1_ps(to_float(mins[g]));
-        const __m256i codes = unpack_block(w + r * (k / 2) + b * (kBlock / 2));
-        float* o = out + r * k + b * kBlock;
-        for (int j = 0; j < 4; ++j) {
-          const __m128i eight = j < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
-          const __m128i part = (j % 2) ? _mm_srli_si128(eight, 8) : eight;
-          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
-          _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(v, s, mi));
-        }
-      }
-    }
-  });
-}
-
-// The (N, K) fp32 weight, written into the first N * K floats of `out` (a reused buffer).
-void int4_dequantize(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size,
-                     at::Tensor out) {
-  check_weight(w, scales, mins, group_size);
-  const int64_t n = w.size(0);
-  const int64_t k = w.size(1) * 2;
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= n * k,
-              "out must be a contiguous fp32 buffer of at least ", n * k, " elements");
-  if (scales.scalar_type() == at::kHalf) {
-    dequantize_rows(w.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(), group_size, n,
-                    k, out.data_ptr<float>());
-  } else {
-    dequantize_rows(w.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), group_size, n, k,
-                    out.data_ptr<float>());
-  }
-}
-
 }  // namespace
+
+void edgeinfer_cpu::check_int4_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                                      int64_t group_size) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "int4 weight must be contiguous uint8 (N, K/2)");
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0, "group_size must be a positive multiple of 32, got ", group_size);
+  const int64_t k = w.size(1) * 2;
+  TORCH_CHECK(k % group_size == 0, "group_size ", group_size, " does not divide K=", k);
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type(), "scales and mins must have one dtype");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "scales and mins must be contiguous");
+  TORCH_CHECK(scales.numel() == w.size(0) * (k / group_size) && mins.numel() == scales.numel(),
+              "scales and mins must hold N * K / group_size values");
+}
 
 void edgeinfer_cpu::quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales,
                                    const at::Tensor& mins, int64_t group_size, float* y) {
@@ -437,11 +392,9 @@ void edgeinfer_cpu::quantized_gemm_rows(const float* x, int64_t m, const at::Ten
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, Tensor mins, int group_size) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor w, Tensor scales, Tensor? mins, int group_size) -> Tensor");
-  m.def("int4_dequantize(Tensor w, Tensor scales, Tensor mins, int group_size, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
   m.impl("int8_gemm", &int8_gemm);
-  m.impl("int4_dequantize", &int4_dequantize);
 }
