@@ -7,8 +7,9 @@ them (an x86 CPU that torch runs at AVX2 or better, a working compiler;
 ``EDGEINFER_CPU_KERNEL=torch`` turns them off); where not, callers use their torch path.
 
 The ops and their references:
-- ``int4_linear`` / ``int8_linear`` / ``dequantize_into`` (quantized_gemm.cpp): int4 x int16 and
-  int8 x int16 GEMMs and the int4 dequantizer; activations are rounded to int16 with one scale per
+- ``int4_linear`` / ``int8_linear`` (quantized_gemm.cpp) / ``dequantize_into``
+  (int4_dequantize.cpp): int4 x int16 and int8 x int16 GEMMs (int8 with or without mins, groups
+  of 16 or multiples of 32) and the int4 dequantizer; activations are rounded to int16 with one scale per
   4 values (llama.cpp's int8 with one per 32 broke greedy parity with the fp32 reference on the
   default model), and kernels.reference.int16_activation_gemm_reference makes the same rounding,
   so tests compare the two tightly and each against the exact fp32 product.
@@ -99,24 +100,29 @@ def prepare_int4(weight: QuantizedTensor) -> CpuInt4Weight:
 
 
 def supports_int8(weight: QuantizedTensor) -> bool:
-    return weight.format == "int8" and weight.shape[1] % BLOCK == 0 and weight.group_size % BLOCK == 0
+    """int8 with K a multiple of 32 and groups of 16 (GGUF Q6_K) or a multiple of 32, mins or not."""
+    return weight.format == "int8" and weight.shape[1] % BLOCK == 0 and \
+        (weight.group_size % BLOCK == 0 or weight.group_size == BLOCK // 2)
 
 
 def prepare_int8(weight: QuantizedTensor) -> QuantizedTensor:
-    """The kernel reads quant.formats int8 as it is (codes (N, K) in order); bf16 scales become
-    fp32 (exactly), fp16 and fp32 ones are kept, so a Q8_0 weight is not copied."""
+    """The kernel reads quant.formats int8 as it is (codes (N, K) in order); scales and mins of
+    another dtype than fp16/fp32, or of two dtypes, become fp32 (exactly), so a Q8_0 or Q6_K
+    weight is not copied."""
     if not supports_int8(weight):
-        raise ValueError(f"the AVX2 int8 kernel needs an int8 weight with K and group size multiples of {BLOCK}, "
-                         f"got {weight.format} {weight.shape} group {weight.group_size}")
-    if weight.scales.dtype in (torch.float16, torch.float32) and weight.scales.is_contiguous():
+        raise ValueError(f"the AVX2 int8 kernel needs an int8 weight with K a multiple of {BLOCK} and group 16 or "
+                         f"a multiple of {BLOCK}, got {weight.format} {weight.shape} group {weight.group_size}")
+    params = [weight.scales] if weight.mins is None else [weight.scales, weight.mins]
+    if all(t.dtype == weight.scales.dtype and t.is_contiguous() for t in params) and \
+            weight.scales.dtype in (torch.float16, torch.float32):
         return weight
     return QuantizedTensor("int8", weight.shape, weight.group_size, weight.qweight.contiguous(),
-                           weight.scales.float().contiguous())
+                           weight.scales.float().contiguous(), None if weight.mins is None else weight.mins.float())
 
 
 def int8_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     """fp32 (M, N) = x (M, K), any float dtype, @ W.T for a prepare_int8 weight, x rounded to int16."""
-    return torch.ops.edgeinfer_cpu.int8_gemm(x, weight.qweight, weight.scales, weight.group_size)
+    return torch.ops.edgeinfer_cpu.int8_gemm(x, weight.qweight, weight.scales, weight.mins, weight.group_size)
 
 
 def int4_linear(x: torch.Tensor, weight: CpuInt4Weight) -> torch.Tensor:
@@ -132,8 +138,9 @@ def dequantize_into(weight: CpuInt4Weight, out: torch.Tensor) -> torch.Tensor:
 
 
 def read_rows(fd: int, offset: int, num_rows: int, k: int, ggml_type: int, row_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 (len(row_ids), k) rows of a (num_rows, k) GGUF matrix (F32, F16, BF16, Q4_0, Q4_1 or
-    Q8_0) stored at byte ``offset`` of the open file ``fd``; one pread per row."""
+    """fp32 (len(row_ids), k) rows of a (num_rows, k) GGUF matrix (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) stored at byte ``offset`` of the open file ``fd``; one pread
+    per row."""
     return torch.ops.edgeinfer_cpu.read_rows(fd, offset, num_rows, k, ggml_type, row_ids)
 
 
@@ -149,7 +156,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.ops.edgeinfer_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], group_size: int, cos: torch.Tensor,
+def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor,
                   signed_sin: torch.Tensor, positions: torch.Tensor, k_caches: list[torch.Tensor],
                   v_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, num_heads: int, scale: float, eps: float,
@@ -160,26 +167,29 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], group_size: int,
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
     keys less ``key_centres`` (layers, Hkv, D) first.
-    ``weights``: 14 per layer (``decode_layer_weights``): the input norm, (packed, scales, mins)
-    of QKV and of the output projection, the post-attention norm, then (packed, scales, mins) of
-    gate/up and of down; ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the
-    sine's first half negated."""
-    torch.ops.edgeinfer_cpu.decode_layers(h, weights, group_size, cos, signed_sin, positions, k_caches, v_caches,
+    ``weights``: 14 per layer (``decode_layer_weights``): the input norm, (codes, scales, mins)
+    of QKV and of the output projection, the post-attention norm, then (codes, scales, mins) of
+    gate/up and of down, each linear int4 or int8 with the group size its scales imply;
+    ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half negated."""
+    torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
                                           key_centres)
 
 
-def decode_layer_weights(input_norm: torch.Tensor, qkv: CpuInt4Weight, o: CpuInt4Weight, post_norm: torch.Tensor,
-                         gate_up: CpuInt4Weight, down: CpuInt4Weight) -> list[torch.Tensor]:
-    """One layer's 14 tensors in decode_layers' order."""
-    parts = [input_norm.float().contiguous()]
-    for w in (qkv, o):
-        parts += [w.packed, w.scales, w.mins]
-    parts.append(post_norm.float().contiguous())
-    for w in (gate_up, down):
-        parts += [w.packed, w.scales, w.mins]
-    return parts
+FusedLinear = CpuInt4Weight | QuantizedTensor  # a prepare_int4 or a prepare_int8 weight
+
+
+def decode_layer_weights(input_norm: torch.Tensor, qkv: FusedLinear, o: FusedLinear, post_norm: torch.Tensor,
+                         gate_up: FusedLinear, down: FusedLinear) -> list[torch.Tensor]:
+    """One layer's 14 tensors in decode_layers' order (an int8 weight without mins: an empty one)."""
+    def linear(w: FusedLinear) -> list[torch.Tensor]:
+        if isinstance(w, CpuInt4Weight):
+            return [w.packed, w.scales, w.mins]
+        return [w.qweight, w.scales, w.scales.new_empty(0) if w.mins is None else w.mins]
+
+    return [input_norm.float().contiguous(), *linear(qkv), *linear(o), post_norm.float().contiguous(),
+            *linear(gate_up), *linear(down)]
 
 
 @functools.cache

@@ -16,7 +16,8 @@ Linear layers: weight -> kernel-ready form (once, at load, ``prepare_linear``) -
   GEMM, which wins at prefill shapes. Either way only one copy of the weight is kept: the
   dequantizer reads the kernel's own layout (torch's packed bytes: layout probed once, see
   ``_packed_block_n``).
-- ``int8_cpu``: int8 weights with the AVX2 ops: the int8 x int16 kernel (same activation
+- ``int8_cpu``: int8 weights with the AVX2 ops (with mins and groups of 16 too: GGUF Q5_x, Q6_K):
+  the int8 x int16 kernel (same activation
   rounding) up to ``CPU_KERNEL_MAX_M`` rows, dequantize into the scratch buffer + fp32 GEMM above; the
   weight is used as loaded (a Q8_0 tensor is not copied). Without the ops int8 (and nf4) weights
   run as bf16 copies (``bf16_cpu``).
@@ -216,6 +217,8 @@ def _dequantize_int8_into(weight: QuantizedTensor, out: torch.Tensor) -> torch.T
     dense = out.view(n, k // g, g)
     # fp32 scales: with fp16 ones the product would be computed, and rounded, in fp16.
     torch.mul(weight.qweight.view(n, k // g, g), weight.scales.view(n, k // g, 1).float(), out=dense)
+    if weight.mins is not None:  # GGUF Q5_1/Q5_K
+        dense.add_(weight.mins.view(n, k // g, 1).float())
     return dense.view(n, k)
 
 

@@ -281,9 +281,10 @@ def check_config(config: GemmConfig, group_size: int, smallest_block_k: int, wha
 
 
 def launch(kernel: Callable, x: torch.Tensor, n: int, weight_args: tuple[torch.Tensor, ...],
-           weight_strides: tuple[int, int], group_size: int, config: GemmConfig) -> torch.Tensor:
+           weight_strides: tuple[int, int], group_size: int, config: GemmConfig, **meta: bool) -> torch.Tensor:
     """Run a weight-only GEMM kernel of the shared signature (x, *weight tensors, y, sizes,
-    strides, meta-parameters) with ``config``; split-K partial sums accumulate in fp32."""
+    strides, meta-parameters, then the kernel's own ``meta``) with ``config``; split-K partial
+    sums accumulate in fp32."""
     m, k = x.shape
     split_k = min(config.split_k, k // config.block_k)
     if split_k > 1:
@@ -299,7 +300,7 @@ def launch(kernel: Callable, x: torch.Tensor, n: int, weight_args: tuple[torch.T
         GROUP_SIZE=group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, SPLIT_K=split_k, GROUP_M=8,
         DOT_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu"),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **meta,
     )  # fmt: skip
     return y.to(x.dtype)
 

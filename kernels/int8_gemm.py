@@ -1,18 +1,19 @@
-"""W8A16 GEMM in Triton: ``y = x @ dequantize(W).T`` for int8 symmetric group-wise weights.
+"""W8A16 GEMM in Triton: ``y = x @ dequantize(W).T`` for int8 group-wise weights, with mins or not.
 
 Owns the int8 kernel, the kernel-ready weight (``Int8Weight``, made once at load by
 ``prepare_int8``) and its public wrapper. Tile configs, schedules and the per-shape tuning cache
 are shared with kernels.int4_gemm (see its docstring); the reference is
 kernels.reference.int8_gemm_reference.
 
-Weight layout (quant.formats "int8"): ``qweight`` int8 (N, K), ``w = q * scale`` per group of K
-(per output channel is group = K). ``prepare_int8`` keeps qweight and transposes the scales to
-(K // group, N) so the N scales of a tile are one coalesced load.
+Weight layout (quant.formats "int8"): ``qweight`` int8 (N, K), ``w = q * scale (+ min)`` per group
+of K (per output channel is group = K; GGUF Q6_K brings groups of 16, Q5_1/Q5_K mins).
+``prepare_int8`` keeps qweight and transposes the scales (and mins) to (K // group, N) so the N
+scales of a tile are one coalesced load.
 
 As in the int4 kernel, BLOCK_K divides the group, so each K tile has one scale per output row and
 ``sum_k x[m, k] * q[n, k] * s[n] = s[n] * (x @ q.T)[m, n]``: the dot runs on the raw codes
 -127..127 (exact in fp16 and bf16) with fp32 accumulation, and the scale is applied in fp32 once
-per tile.
+per tile; a min adds ``min[n] * sum_k x[m, k]`` over the tile, as in the int4 kernel.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _int8_gemm_kernel(
     # pointers
-    x_ptr, qweight_ptr, scales_ptr, y_ptr,
+    x_ptr, qweight_ptr, scales_ptr, mins_ptr, y_ptr,
     # sizes
     M, N, K,
     # strides (qweight is contiguous along K, scales are contiguous along N)
     stride_xm, stride_xk, stride_qn, stride_sg, stride_ym, stride_yn,
     # meta
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, HAS_MINS: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_M, BLOCK_N) tile of y over one split of K; fp32 accumulation throughout."""
     pid = tl.program_id(0)
@@ -81,6 +82,9 @@ def _int8_gemm_kernel(
             part = tl.dot(x, tl.trans(q.to(x.dtype)))
         scale = tl.load(scales_ptr + (k0 // GROUP_SIZE) * stride_sg + rn).to(tl.float32)
         acc += part * scale[None, :]
+        if HAS_MINS:
+            mn = tl.load(mins_ptr + (k0 // GROUP_SIZE) * stride_sg + rn).to(tl.float32)
+            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
 
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -98,6 +102,7 @@ class Int8Weight:
     group_size: int
     qweight: torch.Tensor  # int8 (N, K), contiguous
     scales: torch.Tensor  # (K // group_size, N), contiguous: transposed so a tile's scales coalesce
+    mins: torch.Tensor | None = None  # as scales, same dtype; None: w = q * scale
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -116,8 +121,12 @@ class Int8Weight:
                 f"int8 scales must be (K // group, N) = {(num_groups, n)} in one of {_SCALE_DTYPES}, "
                 f"got {self.scales.dtype} {tuple(self.scales.shape)}"
             )
-        for name, t in (("qweight", self.qweight), ("scales", self.scales)):
-            if not t.is_contiguous():
+        if self.mins is not None and (self.mins.shape != self.scales.shape or self.mins.dtype != self.scales.dtype
+                                      or self.mins.device != self.scales.device):
+            raise ValueError(f"int8 mins must match the scales' shape, dtype and device, got {self.mins.dtype} "
+                             f"{tuple(self.mins.shape)}")
+        for name, t in (("qweight", self.qweight), ("scales", self.scales), ("mins", self.mins)):
+            if t is not None and not t.is_contiguous():
                 raise ValueError(f"int8 {name} must be contiguous")
         if self.scales.device != self.qweight.device:
             raise ValueError(
@@ -134,6 +143,7 @@ def prepare_int8(weight: QuantizedTensor) -> Int8Weight:
         group_size=weight.group_size,
         qweight=weight.qweight.contiguous(),
         scales=weight.scales.t().contiguous(),
+        mins=None if weight.mins is None else weight.mins.to(weight.scales.dtype).t().contiguous(),
     )
 
 
@@ -145,7 +155,9 @@ def int8_gemm(x: torch.Tensor, weight: Int8Weight, *, config: GemmConfig | None 
     """
     if not isinstance(weight, Int8Weight):
         raise ValueError(f"int8_gemm needs an Int8Weight from prepare_int8, got {type(weight).__name__}")
-    args = (weight.qweight, weight.scales)
+    # Without mins the kernel never reads its mins pointer; the scales stand in for it.
+    args = (weight.qweight, weight.scales, weight.scales if weight.mins is None else weight.mins)
     strides = (weight.qweight.stride(0), weight.scales.stride(0))
     return weight_only_gemm("int8_gemm", x, weight, 16, lambda c: launch(
-        _int8_gemm_kernel, x, weight.shape[0], args, strides, weight.group_size, c), config)
+        _int8_gemm_kernel, x, weight.shape[0], args, strides, weight.group_size, c,
+        HAS_MINS=weight.mins is not None), config)

@@ -24,11 +24,12 @@ def int16_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) ->
     """fp32 (M, N): what kernels.cpu_ops computes for an int4 or int8 weight. Each 32-block of x
     splits into 8 groups of 4, group l = values {2l, 2l + 1, 16 + 2l, 17 + 2l}; a group becomes
     int16 codes round(x / d), d = absmax / 32767 (round half to even); each group's integer dot
-    with the weight codes is scaled by weight scale x d, and an int4 weight's min term uses the
-    exact 32-block sums of x."""
-    if weight.format not in ("int4", "int8") or weight.group_size % 32 or weight.shape[1] % 32:
-        raise ValueError("int16_activation_gemm_reference needs an int4 or int8 weight with K and group size "
-                         "multiples of 32")
+    with the weight codes is scaled by weight scale x d (groups of 16: the two halves' dots each
+    by their own scale), and a weight's min term uses the exact group sums of x."""
+    if weight.format not in ("int4", "int8") or weight.shape[1] % 32 or \
+            (weight.group_size % 32 and not (weight.format == "int8" and weight.group_size == 16)):
+        raise ValueError("int16_activation_gemm_reference needs an int4 or int8 weight with K a multiple of 32 "
+                         "and group size 16 (int8) or a multiple of 32")
     n, k = weight.shape
 
     def lane_groups(t: torch.Tensor) -> torch.Tensor:  # (R, K) -> (R, K / 32, 8, 4)
@@ -40,14 +41,16 @@ def int16_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) ->
     inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
     xq = torch.round(groups * inv)  # integers in -32767..32767, exact in fp32
     codes = unpack_int4(weight.qweight) if weight.format == "int4" else weight.qweight
-    dots = torch.einsum("mbgi,nbgi->mnbg", xq, lane_groups(codes.float()))  # integer sums below 2**24: exact
-    scales = weight.scales.float().repeat_interleave(weight.group_size // 32, dim=1)  # (N, K / 32)
-    y = (dots * (amax / 32767).squeeze(-1)[:, None]).sum(-1)  # (M, N, K / 32)
-    y = (y * scales).sum(-1)
+    group = weight.group_size
+    # Per 16 values (each lane group's two halves apart): integer sums below 2**24, exact.
+    dots = torch.einsum("mbghi,nbghi->mnbgh", xq.view(*xq.shape[:-1], 2, 2),
+                        lane_groups(codes.float()).view(n, k // 32, 8, 2, 2))
+    scales = weight.scales.float().repeat_interleave(max(group // 16, 1), dim=1).view(n, k // 32, 2)
+    y = (dots * (amax / 32767)[:, None]).sum(-2)  # (M, N, K / 32, 2 halves)
+    y = (y * scales).sum((-2, -1))
     if weight.mins is None:
         return y
-    mins = weight.mins.float().repeat_interleave(weight.group_size // 32, dim=1)
-    return y + x2.reshape(-1, k // 32, 32).sum(-1) @ mins.t()
+    return y + x2.reshape(-1, k // group, group).sum(-1) @ weight.mins.float().t()
 
 
 def int8_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:

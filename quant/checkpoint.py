@@ -9,7 +9,7 @@ Layout of a checkpoint folder::
                            {"format": "int4"|"int8"|"nf4"|"fp32"|"fp16"|"bf16", "shape": [...],
                             "group_size": g (quantized only)}
 
-A QuantizedTensor NAME is stored as NAME.qweight, NAME.scales (and NAME.mins for int4); a plain
+A QuantizedTensor NAME is stored as NAME.qweight, NAME.scales (and NAME.mins for int4 and int8 with offsets); a plain
 tensor as NAME. The safetensors file is written by ``_SafetensorsWriter`` tensor by tensor (the
 header space is reserved up front from the weight names and padded with spaces, which the
 format allows), so peak memory is one tensor, not the model.
@@ -311,7 +311,8 @@ def _read_weight(f: Any, name: str, meta: dict[str, Any], source: str) -> Weight
         return t
     if fmt not in ("int8", "int4", "nf4"):
         raise CheckpointError(f"{source}: tensor {name} has unknown format {fmt!r}")
-    mins = f.get_tensor(f"{name}.mins") if fmt == "int4" else None
+    # int4 always has mins; int8 from a GGUF Q5_1/Q5_K does (a key only safetensors can answer for).
+    mins = f.get_tensor(f"{name}.mins") if fmt == "int4" or f"{name}.mins" in f.keys() else None
     try:
         return QuantizedTensor(
             fmt,

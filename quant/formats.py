@@ -2,8 +2,10 @@
 
 Formats (all group-wise along the input dimension K of an (N, K) weight):
 
-- ``int8``: symmetric, ``w = q * scale``; ``q`` int8 (N, K), ``scales`` (N, K // group).
-  Per-output-channel int8 is simply ``group_size == K``.
+- ``int8``: ``w = q * scale`` (+ ``min`` where ``mins`` is given); ``q`` int8 (N, K), ``scales``
+  (and ``mins``) (N, K // group). Per-output-channel int8 is simply ``group_size == K``. GGUF
+  Q8_0 is this with group 32; Q5_0/Q5_1/Q5_K and Q6_K (group 16) are its codes with the
+  type's scales and offsets (quant.gguf_blocks).
 - ``int4``: asymmetric, ``w = q * scale + min``; ``q`` in 0..15 packed two per byte along K
   (element ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the high nibble), so
   ``qweight`` is uint8 (N, K // 2); ``scales`` and ``mins`` are (N, K // group).
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 FORMATS = ("int8", "int4", "nf4")
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (32, 64, 128)  # what the conversion tool quantizes to; GGUF files also bring 16
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class QuantizedTensor:
     group_size: int
     qweight: torch.Tensor  # int8 (N, K) | uint8 (N, K // 2) | nf4: bitsandbytes packed bytes
     scales: torch.Tensor  # (N, K // group_size); nf4: absmax as bitsandbytes stores it
-    mins: torch.Tensor | None = None  # int4 only: (N, K // group_size)
+    mins: torch.Tensor | None = None  # (N, K // group_size): int4 always, int8 optionally
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -62,8 +64,10 @@ class QuantizedTensor:
                     f"int4 qweight must be uint8 {(n, k // 2)}, got {self.qweight.dtype} "
                     f"{tuple(self.qweight.shape)}"
                 )
-            if self.mins is None or tuple(self.mins.shape) != (n, num_groups):
+            if self.mins is None:
                 raise ValueError(f"int4 needs mins of shape {(n, num_groups)}")
+        if self.mins is not None and tuple(self.mins.shape) != (n, num_groups):
+            raise ValueError(f"mins have shape {tuple(self.mins.shape)}, expected {(n, num_groups)}")
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
         """The same weight with its tensors on ``device``."""
@@ -83,7 +87,7 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (N, K) weight in ``dtype``; computed in fp32 so every path agrees."""
         if self.format == "int8":
-            return dequantize_int8(self.qweight, self.scales, self.group_size).to(dtype)
+            return dequantize_int8(self.qweight, self.scales, self.group_size, self.mins).to(dtype)
         if self.format == "int4":
             assert self.mins is not None
             return dequantize_int4(self.qweight, self.scales, self.mins, self.group_size).to(dtype)
@@ -140,11 +144,28 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedTe
     return QuantizedTensor("int8", (n, k), group_size, q, scale)
 
 
-def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                    mins: torch.Tensor | None = None) -> torch.Tensor:
     n, k = qweight.shape
-    g = qweight.float().reshape(n, k // group_size, group_size)
-    return (g * scales.float()[..., None]).reshape(n, k)
+    g = qweight.float().reshape(n, k // group_size, group_size) * scales.float()[..., None]
+    if mins is not None:
+        g = g + mins.float()[..., None]
+    return g.reshape(n, k)
 
+
+def as_int8(weight: QuantizedTensor, group_size: int, dtype: torch.dtype) -> QuantizedTensor:
+    """The same int4 or int8 weight as int8 with mins, in groups of ``group_size`` (dividing its
+    own) and ``dtype`` scales and mins: exact (an int4 code 0..15 is an int8 code; a group's scale
+    and min repeat over its parts; a missing min is 0), so that parts of mixed formats can be
+    fused (a GGUF Q4_K_M's Q6_K V beside its Q4_K Q and K)."""
+    if weight.format not in ("int4", "int8") or weight.group_size % group_size:
+        raise ValueError(f"as_int8 takes int4/int8 with a group that {group_size} divides, got {weight.format} "
+                         f"group {weight.group_size}")
+    codes = unpack_int4(weight.qweight).to(torch.int8) if weight.format == "int4" else weight.qweight
+    repeat = weight.group_size // group_size
+    scales = weight.scales.to(dtype).repeat_interleave(repeat, dim=1)
+    mins = torch.zeros_like(scales) if weight.mins is None else weight.mins.to(dtype).repeat_interleave(repeat, dim=1)
+    return QuantizedTensor("int8", weight.shape, group_size, codes, scales, mins)
 
 
 def concat_rows(weights: list[QuantizedTensor]) -> QuantizedTensor:
@@ -162,6 +183,7 @@ def concat_rows(weights: list[QuantizedTensor]) -> QuantizedTensor:
                 ("K", w.shape[1], first.shape[1]),
                 ("group size", w.group_size, first.group_size),
                 ("scales dtype", w.scales.dtype, first.scales.dtype),
+                ("mins", w.mins is None, first.mins is None),
                 ("device", w.qweight.device, first.qweight.device),
             )
             if got != want

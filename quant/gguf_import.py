@@ -2,9 +2,11 @@
 
 The container is parsed by quant.gguf_reader; this module maps names, types and layouts.
 
-Q4_0 / Q4_1 become int4 group-32 QuantizedTensors and Q8_0 becomes int8 group-32, bit for bit
-(the fp16 block scales are kept as fp16). F32/F16/BF16 stay as they are. Any other type is
-dequantized by the gguf package and returned in fp32, with a warning naming it.
+Quantized types become the engine's int4/int8 formats block by block (quant.gguf_blocks has the
+table: Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 bit for bit, Q4_K/Q5_K/Q6_K up to the fp16 rounding of their
+scale products). F32/F16/BF16 stay as they are. Other types (Q2_K, Q3_K, IQ*) are dequantized by
+the gguf package and re-quantized to int4 g32, with one warning per file naming them and the
+error measured; a type the gguf package cannot read either is refused with ModelFileError.
 
 For arch llama, llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE
 matches HF's rotate-half RoPE; we undo that permutation (rows only, so quantized rows move
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from edgeinfer.config import ModelConfig
+from quant import gguf_blocks
 from quant.formats import QuantizedTensor
 from quant.gguf_arch import ModelFileError, check_weights, hf_name, permutes_rope_rows, read_config, unpermute_rope_rows
 from quant.gguf_reader import (
@@ -42,7 +45,8 @@ from quant.gguf_reader import (
 
 log = logging.getLogger(__name__)
 
-Q4_BLOCK = 32
+# The types with their own decoder (quant.gguf_blocks); the rest are re-quantized with a warning.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def require_gguf_file(path: Path) -> None:
@@ -73,37 +77,10 @@ def read_tokenizer_metadata(reader: GGUFFile) -> dict[str, Any]:
     return meta
 
 
-def _q4_blocks(raw: np.ndarray, n: int, k: int, has_min: bool) -> QuantizedTensor:
-    """Q4_0/Q4_1 blocks -> int4 group-32. Block: d (fp16) [, m (fp16)], 16 bytes of nibbles where
-    byte j holds element j (low) and element j + 16 (high)."""
-    block_bytes = 20 if has_min else 18
-    blocks = raw.reshape(n, k // Q4_BLOCK, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if has_min:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        qs = blocks[..., 4:]
-    else:
-        m = (-8.0 * d.astype(np.float32)).astype(np.float16)
-        qs = blocks[..., 2:]
-    elements = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # (n, k // 32, 32) in order
-    packed = (elements[..., 0::2] | (elements[..., 1::2] << 4)).reshape(n, k // 2)  # pack_int4's layout
-    scales = torch.from_numpy(d.copy())
-    mins = torch.from_numpy(m.copy())
-    if not has_min:
-        # -8 * d in fp16 can round; keep it exact in fp32 instead.
-        mins = -8.0 * scales.float()
-    return QuantizedTensor("int4", (n, k), Q4_BLOCK, torch.from_numpy(packed), scales, mins)
-
-
-def _q8_blocks(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
-    blocks = raw.reshape(n, k // Q4_BLOCK, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-    return QuantizedTensor("int8", (n, k), Q4_BLOCK, torch.from_numpy(q), torch.from_numpy(d.copy()))
-
-
 def convert_tensor(tensor: TensorInfo, raw: np.ndarray) -> Weight:
-    """One tensor's raw bytes -> a torch tensor or QuantizedTensor (see the module docstring)."""
+    """One tensor's raw bytes -> a torch tensor or QuantizedTensor (see the module docstring).
+    Types without a decoder are dequantized by the gguf package; 2-D ones are re-quantized to
+    int4 g32 (open_gguf_model has warned about them, naming the types and the error)."""
     # GGUF lists dims fastest-first; torch wants (rows, cols).
     shape = tuple(reversed(tensor.shape))
     kind = tensor.ggml_type
@@ -113,16 +90,35 @@ def convert_tensor(tensor: TensorInfo, raw: np.ndarray) -> Weight:
         return torch.from_numpy(raw.view(np.float16).copy()).reshape(shape)
     if kind == GGMLType.BF16:
         return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(shape)
-    if len(shape) == 2 and kind in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0):
-        n, k = shape
-        if kind == GGMLType.Q8_0:
-            return _q8_blocks(raw, n, k)
-        return _q4_blocks(raw, n, k, has_min=kind == GGMLType.Q4_1)
-    from gguf import GGMLQuantizationType, dequantize
+    if len(shape) == 2 and kind in gguf_blocks.DECODERS:
+        return gguf_blocks.DECODERS[kind](raw, *shape)
+    values = gguf_blocks.dequantize_other(kind, raw, shape)
+    if len(shape) == 2 and shape[1] % gguf_blocks.Q_BLOCK == 0:
+        return gguf_blocks.requantize_int4(values)[0]
+    return torch.from_numpy(values).reshape(shape)
 
-    kind = GGMLQuantizationType(kind)
-    log.warning("tensor %s has GGUF type %s: dequantized to fp32", tensor.name, kind.name)
-    return torch.from_numpy(dequantize(raw.reshape(shape[0], -1), kind).astype(np.float32)).reshape(shape)
+
+def _warn_requantized(path: Path, tensors: Mapping[str, TensorInfo]) -> None:
+    """One warning line for the whole file: the types that are re-quantized to int4, how many
+    tensors each, and the relative RMS error it adds, measured on each type's smallest tensor
+    (so the warning costs one small conversion per type). A type the gguf package cannot
+    dequantize is refused here, before anything is loaded."""
+    found = gguf_blocks.requantized_types(tensors.values())
+    if not found:
+        return
+    parts = []
+    for kind, group in sorted(found.items()):
+        sample = min(group, key=lambda t: t.nbytes)
+        name = gguf_blocks.type_name(kind)
+        try:
+            values = gguf_blocks.dequantize_other(kind, read_tensor(path, sample), tuple(reversed(sample.shape)))
+            _, error = gguf_blocks.requantize_int4(values)
+        except NotImplementedError as exc:
+            raise ModelFileError(f"{path}: tensor {sample.name} has GGUF type {name}, which edgeinfer cannot "
+                                 f"read ({exc}); supported: {', '.join(SUPPORTED_TYPES)}") from exc
+        parts.append(f"{name} ({len(group)} tensors, +{error:.1%} RMS on {sample.name})")
+    log.warning("%s: GGUF types without an int kernel are dequantized and re-quantized to int4 g32, adding "
+                "weight error relative to the tensor's RMS: %s", path, "; ".join(parts))
 
 
 @dataclass(frozen=True)
@@ -168,12 +164,14 @@ def open_gguf_model(path: str | os.PathLike[str]) -> GGUFSource:
             log.info("ignoring GGUF tensor %s", tensor.name)
         else:
             tensors[name] = tensor
+    _warn_requantized(path, tensors)
     return GGUFSource(path, config, read_tokenizer_metadata(reader), tensors)
 
 
-# GGUF types whose rows convert on their own, bit for bit (the others dequantize with a warning).
+# GGUF types kernels.cpu_ops.read_rows decodes (a tensor of another type is loaded whole).
 _ROW_TYPES = {GGMLType.F32: None, GGMLType.F16: None, GGMLType.BF16: None,
-              GGMLType.Q4_0: "int4", GGMLType.Q4_1: "int4", GGMLType.Q8_0: "int8"}
+              GGMLType.Q4_0: "int4", GGMLType.Q4_1: "int4", GGMLType.Q8_0: "int8", GGMLType.Q5_0: "int8",
+              GGMLType.Q5_1: "int8", GGMLType.Q4_K: "int4", GGMLType.Q5_K: "int8", GGMLType.Q6_K: "int8"}
 
 
 RowReader = Callable[[int, int, int, int, int, torch.Tensor], torch.Tensor]  # (fd, offset, n, k, type, ids)

@@ -35,13 +35,20 @@ class GGMLType(IntEnum):
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
     BF16 = 30
 
 
 # (elements, bytes) per block, as ggml defines them.
 _BLOCK_SIZES = {GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
-                GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q8_0: (32, 34)}
+                GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q8_0: (32, 34),
+                GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24), GGMLType.Q4_K: (256, 144),
+                GGMLType.Q5_K: (256, 176), GGMLType.Q6_K: (256, 210)}
 
 
 def block_size(ggml_type: int) -> tuple[int, int] | None:

@@ -307,7 +307,7 @@ class LlamaModel(LlamaLayers):
             tables = tables.repeat_interleave(batch.query_start_loc.diff(), dim=0)
             context_lens = batch.positions + 1
         cpu_ops.decode_layers(
-            h, self.weights.fused, self.weights.fused_group, self._cos, self._sin, batch.positions,
+            h, self.weights.fused, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
             tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
         )

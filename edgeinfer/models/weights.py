@@ -3,7 +3,8 @@
 Owns the conversion for the model's kernels.dispatch.Backend: Q/K/V and gate/up fused into one
 weight each, every linear converted by kernels.dispatch.prepare_linear, norms made dense fp32,
 the head re-quantized to int4 for a coarse pass where asked, a GGUF's embedding left in its file
-on the CPU, and kernels.cpu_ops.decode_layers' weight list where the fused step can run. What it
+on the CPU, and kernels.cpu_ops.decode_layers' weight list where the fused step can run (every
+linear on the C++ int4 or int8 kernel). What it
 returns is read-only from then on; the forward (edgeinfer.models.llama) reads rows through
 ``weight_rows``.
 
@@ -21,6 +22,7 @@ the refined head rows when tied) from the file (quant.gguf_import.FileRows).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from edgeinfer.config import ArchSpec, ModelConfig
 from edgeinfer.models.host_memory import trim_heap
 from kernels import cpu_ops
 from kernels.dispatch import Backend, PreparedLinear, prepare_linear
-from quant.formats import QuantizedTensor, concat_rows, quantize_int4
+from quant.formats import QuantizedTensor, as_int8, concat_rows, quantize_int4
 from quant.gguf_import import FileRows, LazyWeights, RowReader
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,6 @@ class PreparedWeights:
     layers: tuple[PreparedLayer, ...]
     norm: torch.Tensor
     fused: list[torch.Tensor] | None  # decode_layers' weights, 14 per layer; None: no fused step
-    fused_group: int  # their one int4 group size
 
     def linears(self) -> list[PreparedLinear]:
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -118,13 +119,13 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
         layers.append(prepare_layer(lambda name: get(p + name), backend, spec))  # noqa: B023
         trim_heap()  # the layer's staging copies, before the next layer's land between them
     norm = _dense(get("model.norm.weight"), device) + spec.norm_offset
-    fused, fused_group = None, 0
+    fused = None
     lacking = spec_features(spec, FUSED_STEP_LACKS)
     if not lacking:
-        fused, fused_group = _fused_step_weights(layers, backend)
+        fused = _fused_step_weights(layers, backend)
     elif backend.fused_step_max_tokens:
         log.info("%s: steps run layer by layer (the fused C++ step lacks %s)", config.architecture, ", ".join(lacking))
-    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused, fused_group)
+    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused)
 
 
 def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec) -> PreparedLayer:
@@ -166,21 +167,20 @@ def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: Row
     return picked.dequantize(torch.float32)
 
 
-def _fused_step_weights(layers: list[PreparedLayer], backend: Backend) -> tuple[list[torch.Tensor] | None, int]:
+def _fused_step_weights(layers: list[PreparedLayer], backend: Backend) -> list[torch.Tensor] | None:
     """decode_layers' weight list when the backend runs fused steps and every linear runs the
-    AVX2 int4 kernel with one group size (the CPU fast path on int4 checkpoints), else (None, 0)."""
+    AVX2 int4 or int8 kernel (each with its own group size: a Q4_K_M GGUF mixes int4 g32 and int8
+    g16), else None; a model that could have fused steps but cannot use them says so at load."""
     if not backend.fused_step_max_tokens:
-        return None, 0
-    kernels = [w.kernel for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if not all(isinstance(k, cpu_ops.CpuInt4Weight) for k in kernels):
-        return None, 0
-    groups = {k.group_size for k in kernels}
-    if len(groups) != 1:
-        return None, 0
-    weights = [t for layer in layers for t in cpu_ops.decode_layer_weights(
-        layer.input_norm, layer.qkv.kernel, layer.o.kernel, layer.post_norm, layer.gate_up.kernel,
-        layer.down.kernel)]
-    return weights, groups.pop()
+        return None
+    linears = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    kernels = [w.kernel if w.path == "int4_cpu" else w.source if w.path == "int8_cpu" else None for w in linears]
+    if not all(isinstance(k, (cpu_ops.CpuInt4Weight, QuantizedTensor)) for k in kernels):
+        log.info("the fused C++ step runs int4/int8 linears; this model's run as %s, so steps take the per-op "
+                 "forward", sorted({w.path for w in linears}))
+        return None
+    return [t for i, layer in enumerate(layers) for t in cpu_ops.decode_layer_weights(
+        layer.input_norm, kernels[4 * i], kernels[4 * i + 1], layer.post_norm, kernels[4 * i + 2], kernels[4 * i + 3])]
 
 
 def _fuse(weights: list[Weight], backend: Backend) -> Weight:
@@ -189,8 +189,14 @@ def _fuse(weights: list[Weight], backend: Backend) -> Weight:
     if len(weights) == 1:
         return weights[0]
     if all(isinstance(w, QuantizedTensor) and w.format in ("int4", "int8") for w in weights):
-        if len({(w.format, w.group_size) for w in weights}) == 1:  # type: ignore[union-attr]
+        if len({(w.format, w.group_size, w.mins is None, w.scales.dtype) for w in weights}) == 1:  # type: ignore[union-attr]
             return concat_rows(weights)  # type: ignore[arg-type]
+        # Mixed formats (a Q4_K_M's Q6_K V beside Q4_K Q and K): all int8 with mins in the common
+        # group, exact; int4 parts then take twice their bytes, still a quarter of a bf16 copy's.
+        group = math.gcd(*(w.group_size for w in weights))  # type: ignore[union-attr]
+        dtypes = {t.dtype for w in weights for t in (w.scales, w.mins) if t is not None}  # type: ignore[union-attr]
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        return concat_rows([as_int8(w, group, dtype) for w in weights])  # type: ignore[arg-type]
     # The CPU fast path runs unfusable (nf4, mixed) parts as a bf16 GEMV; other paths stay exact.
     dense_dtype = torch.bfloat16 if backend.linear_path == "int4_cpu" else torch.float32
     return torch.cat([w.dequantize(dense_dtype) if isinstance(w, QuantizedTensor) else w.to(dense_dtype)

@@ -3,9 +3,10 @@
 //
 // Op torch.ops.edgeinfer_cpu.decode_layers; edgeinfer.models.llama calls it for steps of up to
 // FUSED_STEP_MAX_TOKENS tokens (decode, prompt chunks, mixed and verify steps) on the CPU fast
-// path (int4 linears; plain KV caches, or int8 / int4 ones: K/V rotated, keys
+// path (int4 or int8 linears, each with its own group size: a GGUF Q4_K_M mixes int4 g32 from
+// Q4_K with int8 g16 from Q6_K; plain KV caches, or int8 / int4 ones: K/V rotated, keys
 // centred, then quantized) and its own per-op forward is the reference.
-// Per layer: RMSNorm, QKV (int4 GEMM), RoPE, the K/V write into the paged pool, attention, the
+// Per layer: RMSNorm, QKV (int4/int8 GEMM), RoPE, the K/V write into the paged pool, attention, the
 // output projection and residual, RMSNorm, gate/up, SiLU * up, down and residual: the same
 // arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
 // torch dispatches per layer (~3-5 us each, 30 layers, every token).
@@ -147,21 +148,31 @@ void add_into(float* h, const float* y, int64_t count) {
   for (int64_t i = 0; i < count; ++i) h[i] += y[i];
 }
 
-void check_linear(const at::TensorList& w, int64_t at, int64_t n, int64_t k, int64_t group_size, const char* name) {
-  const at::Tensor& packed = w[at];
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(0) == n && packed.size(1) * 2 == k,
-              name, " must be a contiguous uint8 (", n, ", ", k / 2, ") int4 weight, got ", packed.sizes());
+// The group size of the linear at w[at], w[at + 1], w[at + 2] (codes, scales, mins), checked:
+// int4 uint8 (N, K / 2) with mins, or int8 (N, K) with mins or an empty tensor for none; the
+// group is what the scales' count says (int8: 16 or a multiple of 32; int4: a multiple of 32).
+int64_t linear_group(const at::TensorList& w, int64_t at, int64_t n, int64_t k, const char* name) {
+  const at::Tensor& codes = w[at];
+  const bool int8 = codes.scalar_type() == at::kChar;
+  TORCH_CHECK((int8 || codes.scalar_type() == at::kByte) && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(0) == n && codes.size(1) * (int8 ? 1 : 2) == k,
+              name, " must be a contiguous int8 (", n, ", ", k, ") or uint8 (", n, ", ", k / 2, ") weight, got ",
+              codes.sizes());
   const at::Tensor& scales = w[at + 1];
   const at::Tensor& mins = w[at + 2];
-  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
-                  (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
-                  scales.is_contiguous() && mins.is_contiguous() && k % group_size == 0 &&
-                  scales.numel() == n * (k / group_size) && mins.numel() == scales.numel(),
-              name, " scales and mins must be contiguous fp16 or fp32 of one dtype, N * K / group_size values");
+  const int64_t groups = n > 0 ? scales.numel() / n : 0;
+  const int64_t group = groups > 0 ? k / groups : 0;
+  TORCH_CHECK(group > 0 && groups * group == k && scales.numel() == n * groups &&
+                  (group % 32 == 0 || (int8 && group == 16)),
+              name, " scales must hold N * K / group values, group 16 (int8) or a multiple of 32");
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+                  mins.is_contiguous() && (mins.numel() == scales.numel() || (int8 && mins.numel() == 0)) &&
+                  (mins.numel() == 0 || mins.scalar_type() == scales.scalar_type()),
+              name, " scales and mins must be contiguous fp16 or fp32 of one dtype (int8: mins may be empty)");
+  return group;
 }
 
-void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, const at::Tensor& cos_table,
+void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_table,
                    const at::Tensor& sin_table, const at::Tensor& positions_in, at::TensorList k_caches,
                    at::TensorList v_caches, const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
                    const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
@@ -172,7 +183,6 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == kPerLayer * layers,
               "need ", kPerLayer, " weights and one K and V cache per layer");
-  TORCH_CHECK(group_size > 0 && group_size % 32 == 0, "group_size must be a positive multiple of 32");
   const int64_t m = h.size(0), hidden = h.size(1);
   const at::Tensor& k0 = k_caches[0];
   TORCH_CHECK(k0.dim() == 4, "caches must be (blocks, block_size, Hkv, D)");
@@ -228,15 +238,16 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
   const int64_t inter = weights[8].size(0) / 2;
+  std::vector<int64_t> group(4 * layers);  // per layer: qkv, o, gate_up, down
   for (int64_t l = 0; l < layers; ++l) {
     const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
     TORCH_CHECK(w[0].numel() == hidden && w[7].numel() == hidden && w[0].scalar_type() == at::kFloat &&
                     w[7].scalar_type() == at::kFloat && w[0].is_contiguous() && w[7].is_contiguous(),
                 "norm weights must be contiguous fp32 (hidden,)");
-    check_linear(w, 1, qkv_size, hidden, group_size, "qkv");
-    check_linear(w, 4, hidden, q_size, group_size, "o");
-    check_linear(w, 8, 2 * inter, hidden, group_size, "gate_up");
-    check_linear(w, 11, hidden, inter, group_size, "down");
+    group[4 * l] = linear_group(w, 1, qkv_size, hidden, "qkv");
+    group[4 * l + 1] = linear_group(w, 4, hidden, q_size, "o");
+    group[4 * l + 2] = linear_group(w, 8, 2 * inter, hidden, "gate_up");
+    group[4 * l + 3] = linear_group(w, 11, hidden, inter, "down");
   }
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
@@ -267,7 +278,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
     at::Tensor k_cache = k_caches[l];
     at::Tensor v_cache = v_caches[l];
     edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    edgeinfer_cpu::int4_gemm_rows(x.data(), m, w[1], w[2], w[3], group_size, qkv.data());
+    edgeinfer_cpu::quantized_gemm_rows(x.data(), m, w[1], w[2], w[3], group[4 * l], qkv.data());
     // Tokens (and below, SiLU rows) in parallel; with RoPE vectorized, a 16-sequence step spends
     // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
     at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
@@ -311,14 +322,14 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
       });
     }
-    edgeinfer_cpu::int4_gemm_rows(attn.data(), m, w[4], w[5], w[6], group_size, y.data());
+    edgeinfer_cpu::quantized_gemm_rows(attn.data(), m, w[4], w[5], w[6], group[4 * l + 1], y.data());
     add_into(hp, y.data(), m * hidden);
     edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    edgeinfer_cpu::int4_gemm_rows(x.data(), m, w[8], w[9], w[10], group_size, gate_up.data());
+    edgeinfer_cpu::quantized_gemm_rows(x.data(), m, w[8], w[9], w[10], group[4 * l + 2], gate_up.data());
     at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
       silu_mul(gate_up.data() + r0 * 2 * inter, r1 - r0, inter, act.data() + r0 * inter);
     });
-    edgeinfer_cpu::int4_gemm_rows(act.data(), m, w[11], w[12], w[13], group_size, y.data());
+    edgeinfer_cpu::quantized_gemm_rows(act.data(), m, w[11], w[12], w[13], group[4 * l + 3], y.data());
     add_into(hp, y.data(), m * hidden);
   }
 }
@@ -326,7 +337,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, int64_t group_size, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
-  m.def("decode_layers(Tensor(a!) h, Tensor[] weights, int group_size, Tensor cos, Tensor signed_sin, "
+  m.def("decode_layers(Tensor(a!) h, Tensor[] weights, Tensor cos, Tensor signed_sin, "
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
         "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres) -> ()");

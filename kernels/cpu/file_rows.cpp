@@ -7,7 +7,8 @@
 // on this VM, and the row decoded here: the Python path (quant.gguf_reader.read_rows_reference,
 // then quant.gguf_import.convert_tensor and the QuantizedTensor's dequantize, the reference)
 // spends ~80 us per call converting. Values equal the reference's bit for bit: the same fp32
-// operations in the same order, never contracted into FMAs.
+// operations in the same order, never contracted into FMAs; K-quant scale products are rounded
+// to fp16 as quant.gguf_blocks stores them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,16 +25,26 @@
 
 namespace {
 
-// GGML type ids and the bytes of one 32-value block (or of one value, for the float types).
-enum GgmlType : int64_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kBF16 = 30 };
+// GGML type ids.
+enum GgmlType : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kBF16 = 30
+};
 
 int64_t row_bytes_of(int64_t type, int64_t k) {
+  const bool super = type == kQ4_K || type == kQ5_K || type == kQ6_K;  // 256-value super-blocks
+  TORCH_CHECK(!super || k % 256 == 0, "a K-quant row needs k a multiple of 256, got ", k);
   switch (type) {
     case kF32: return 4 * k;
     case kF16: case kBF16: return 2 * k;
     case kQ4_0: return k / 32 * 18;
     case kQ4_1: return k / 32 * 20;
+    case kQ5_0: return k / 32 * 22;
+    case kQ5_1: return k / 32 * 24;
     case kQ8_0: return k / 32 * 34;
+    case kQ4_K: return k / 256 * 144;
+    case kQ5_K: return k / 256 * 176;
+    case kQ6_K: return k / 256 * 210;
     default: TORCH_CHECK(false, "GGUF type ", type, " has no row reader");
   }
 }
@@ -42,6 +53,70 @@ inline float half_at(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
+}
+
+// A K-quant scale product as the importer stores it: exact in fp32, then rounded to fp16.
+inline float as_half(float x) { return static_cast<float>(c10::Half(x)); }
+
+// Sub-block j's 6-bit scale and min of a Q4_K/Q5_K super-block (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One Q5_x / K-quant block's codes times scale plus min, as QuantizedTensor.dequantize does.
+__attribute__((optimize("fp-contract=off")))
+void decode_quant_row(int64_t type, const uint8_t* src, int64_t k, float* dst) {
+  if (type == kQ5_0 || type == kQ5_1) {
+    const bool has_min = type == kQ5_1;
+    for (int64_t b = 0; b < k / 32; ++b, src += has_min ? 24 : 22) {
+      const float d = half_at(src);
+      const uint8_t* qh = src + (has_min ? 4 : 2);
+      const uint32_t high = qh[0] | (qh[1] << 8) | (qh[2] << 16) | (static_cast<uint32_t>(qh[3]) << 24);
+      const uint8_t* qs = qh + 4;
+      for (int j = 0; j < 32; ++j) {
+        const int code = ((j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) | (((high >> j) & 1) << 4)) - (has_min ? 0 : 16);
+        dst[32 * b + j] = has_min ? static_cast<float>(code) * d + half_at(src + 2) : static_cast<float>(code) * d;
+      }
+    }
+    return;
+  }
+  if (type == kQ4_K || type == kQ5_K) {
+    const bool five = type == kQ5_K;
+    for (int64_t b = 0; b < k / 256; ++b, src += five ? 176 : 144) {
+      const float d = half_at(src), dmin = half_at(src + 2);
+      const uint8_t* qh = src + 16;  // Q5_K: bit j of byte l is sub-block j's fifth bit of element l
+      const uint8_t* qs = src + (five ? 48 : 16);  // bytes 32c..: sub-block 2c low nibbles, 2c + 1 high
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        scale_min_k4(j, src + 4, &sc, &m);
+        const float scale = as_half(d * static_cast<float>(sc)), mn = as_half(-dmin * static_cast<float>(m));
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = qs[32 * (j / 2) + l];
+          int code = j % 2 ? byte >> 4 : byte & 0x0F;
+          if (five) code |= ((qh[l] >> j) & 1) << 4;
+          dst[256 * b + 32 * j + l] = static_cast<float>(code) * scale + mn;
+        }
+      }
+    }
+    return;
+  }
+  TORCH_CHECK(type == kQ6_K, "GGUF type ", type, " has no row reader");
+  for (int64_t b = 0; b < k / 256; ++b, src += 210) {
+    const float d = half_at(src + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(src + 192);
+    for (int e = 0; e < 256; ++e) {  // element 128h + 32c + l: ql[64h + l + 32 (c % 2)], nibble c / 2
+      const int h = e / 128, c = e % 128 / 32, l = e % 32;
+      const uint8_t low = src[64 * h + l + 32 * (c % 2)];
+      const int code = ((c / 2 ? low >> 4 : low & 0x0F) | (((src[128 + 32 * h + l] >> (2 * c)) & 3) << 4)) - 32;
+      dst[256 * b + e] = static_cast<float>(code) * as_half(d * static_cast<float>(sc[e / 16]));
+    }
+  }
 }
 
 __attribute__((optimize("fp-contract=off")))
@@ -75,7 +150,7 @@ void decode_row(int64_t type, const uint8_t* src, int64_t k, float* dst) {
       }
       return;
     }
-    default: TORCH_CHECK(false, "GGUF type ", type, " has no row reader");
+    default: decode_quant_row(type, src, k, dst);
   }
 }
 

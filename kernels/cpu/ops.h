@@ -8,9 +8,14 @@
 
 namespace edgeinfer_cpu {
 
-// quantized_gemm.cpp: y (M, N) = x (M, K) @ W.T, x rounded to int16 with a scale per 4 values.
-void int4_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+// quantized_gemm.cpp: y (M, N) = x (M, K) @ W.T, x rounded to int16 with a scale per 4 values;
+// W int4 (uint8 codes, mins) or int8 (int8 codes; mins undefined or empty: none; group 16 too).
+void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t group_size, float* y);
+
+// quantized_gemm.cpp: TORCH_CHECKs an int4 weight (uint8 (N, K / 2), fp16/fp32 scales and mins,
+// a group a multiple of 32 dividing K).
+void check_int4_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size);
 
 // rms_norm.cpp: out = x / sqrt(mean(x^2) + eps) * weight, row by row.
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t hidden, float eps, float* out);

@@ -1,6 +1,7 @@
-// int4 and int8 weight x int16 activation GEMMs for AVX2 CPUs, and the int4 dequantizer.
+// int4 and int8 weight x int16 activation GEMMs for AVX2 CPUs (the int4 dequantizer for wider
+// batches is int4_dequantize.cpp).
 //
-// Ops torch.ops.edgeinfer_cpu.int4_gemm / int8_gemm / int4_dequantize; kernels/cpu_ops.py builds
+// Ops torch.ops.edgeinfer_cpu.int4_gemm / int8_gemm; kernels/cpu_ops.py builds
 // them, prepares weights and names the torch reference
 // (kernels.reference.int16_activation_gemm_reference).
 //
@@ -8,8 +9,10 @@
 // bytes; byte j of block b holds element 32b + j in its low nibble and 32b + 16 + j in its high
 // nibble (GGUF's Q4_0/Q4_1 order), so one 16-byte load unpacks to the block's 32 codes in order.
 // w = q * scale + min with one fp16 or fp32 scale and min per group of K (a multiple of 32).
-// int8 weights (GGUF's Q8_0, quant.formats int8) are (N, K) int8 codes in order, w = q * scale:
-// the same loop with a sign-extending load instead of the nibble unpack and no min term.
+// int8 weights (GGUF's Q8_0, quant.formats int8) are (N, K) int8 codes in order, w = q * scale
+// (+ min where given: GGUF Q5_1/Q5_K): the same loop with a sign-extending load instead of the
+// nibble unpack. int8 may also have groups of 16 (GGUF Q6_K): a block's two halves then get
+// their own scale, applied before the halves' dots are added (two cvt and a mul more per block).
 //
 // Activations become int16 with a scale per 4 values (see quantize_row), so a block's dot
 // product is two madd on integers and one fp32 multiply of lanes:
@@ -50,7 +53,8 @@ constexpr int64_t kTile = 4;  // activation rows per pass over a weight row: 4 a
 // lane gets its own scale for free. x ~= scale * code, code = round(x / scale), scale = max|x| / 32767
 // over the group. int8 codes (llama.cpp's Q8_1, one scale per 32) moved a near-tied logit gap by
 // 0.4 on the default model and broke greedy parity with the fp32 reference; 16 bits do not.
-void quantize_row(const float* x, int64_t k, int16_t* q, float* scale, float* sum) {
+// `sum` (K / 32) or, for groups of 16, `half_sum` (K / 16) gets the exact sums; the other is null.
+void quantize_row(const float* x, int64_t k, int16_t* q, float* scale, float* sum, float* half_sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 zero = _mm256_setzero_ps();
   const __m256 q_max = _mm256_set1_ps(32767.0f);
@@ -59,7 +63,11 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* scale, float* su
     const float* xb = x + b * kBlock;
     __m256 v[4];
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
-    sum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    if (sum != nullptr) sum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    if (half_sum != nullptr) {
+      half_sum[2 * b] = hsum(_mm256_add_ps(v[0], v[1]));
+      half_sum[2 * b + 1] = hsum(_mm256_add_ps(v[2], v[3]));
+    }
     // Value i pairs with value 16 + i, then neighbours 2j and 2j + 1 pair: group max per value.
     __m256 m[2];
     for (int h = 0; h < 2; ++h) {
@@ -83,13 +91,6 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* scale, float* su
       scale[b * 8 + 4 + l] = second_max[2 * l] / 32767.0f;
     }
   }
-}
-
-// The block's 32 codes as bytes, in order (the dequantizer's form).
-inline __m256i unpack_block(const uint8_t* w) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
 }
 
 // Block b's codes 0..15 and 16..31 of a weight row as two vectors of 16 int16. int4: one
@@ -129,9 +130,9 @@ inline float dot(const float* a, const float* b, int64_t count) {
 struct Activations {
   const int16_t* q;
   const float* scale;      // 8 per block: lane l scales codes 4l .. 4l + 3
-  const float* group_sum;  // 1 per weight group: the exact sum of its activations
+  const float* group_sum;  // 1 per weight group: the exact sum of its activations (groups of 16 too)
   // The same sums per tile of kTile rows side by side, (M / kTile rounded up, groups, kTile),
-  // zero-padded: a tile's min terms are then one 4-wide FMA per group (int4 only).
+  // zero-padded: a tile's min terms are then one 4-wide FMA per group (weights with mins only).
   const float* tile_group_sum;
   int64_t k;
   int64_t groups;
@@ -142,27 +143,30 @@ struct Activations {
 // only 18 blocks per row). Per block and pair of rows the inner loop is 2 madd, add, cvt, mul,
 // FMA; a weight block is unpacked once for its T activation rows. The min term (int4: min * the
 // group's activation sum) comes after the block loop, for all T rows at once.
-template <int R, int T, typename S, bool kInt8>
+// kMin: the weight has mins (int4 always); kG16: int8 groups of 16, two scales per block.
+template <int R, int T, typename S, bool kInt8, bool kMin, bool kG16>
 void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x,
                int64_t m0, int64_t n0, int64_t n1, float* y, int64_t ld_y, float* block_scales, float* row_mins) {
   const int64_t k = x.k;
   const int64_t blocks = k / kBlock;
   const int64_t groups = x.groups;
   const int64_t row_bytes = kInt8 ? k : k / 2;
+  const int64_t slots = kG16 ? groups : blocks;  // fp32 scales per weight row in block_scales
   const int16_t* xq = x.q + m0 * k;
   const float* xs = x.scale + m0 * blocks * 8;
   for (int64_t n = n0; n < n1; n += R) {
     __m256 acc[R][T];
     for (int i = 0; i < R; ++i) {
-      // The row's scales as fp32 once per block (no division by group_blocks in the loop).
-      float* bs = block_scales + i * blocks;
+      // The row's scales as fp32 once per block (no division by group_blocks in the loop);
+      // groups of 16: two per block, in order.
+      float* bs = block_scales + i * slots;
       if (group_blocks == 1) {
         to_float_row(scales + (n + i) * groups, groups, bs);
       } else {
         to_float_row(scales + (n + i) * groups, groups, row_mins + i * groups);  // staging; mins overwrite it below
         for (int64_t g = 0; g < groups; ++g) std::fill_n(bs + g * group_blocks, group_blocks, row_mins[i * groups + g]);
       }
-      if constexpr (!kInt8) to_float_row(mins + (n + i) * groups, groups, row_mins + i * groups);
+      if constexpr (kMin) to_float_row(mins + (n + i) * groups, groups, row_mins + i * groups);
       for (int r = 0; r < T; ++r) acc[i][r] = _mm256_setzero_ps();
     }
     // The next R rows, a cache line per 64 bytes of this block step: rows of R * K / 2 bytes are
@@ -181,17 +185,24 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
       for (int i = 0; i < R; ++i) {
         __m256i w_low, w_high;
         block_codes<kInt8>(w + (n + i) * row_bytes, b, &w_low, &w_high);
-        const __m256 s = _mm256_broadcast_ss(block_scales + i * blocks + b);
+        const float* bs = block_scales + i * slots + (kG16 ? 2 * b : b);
+        const __m256 s = _mm256_broadcast_ss(bs);
 #pragma GCC unroll 8
         for (int r = 0; r < T; ++r) {
           const int16_t* xb = xq + r * k + b * kBlock;
           // A lane sums 4 products of int16 codes with int4 codes (< 4 * 15 * 32767 < 2^21) or
           // int8 codes (<= 4 * 128 * 32767 < 2^24): exact in int32 and after cvt to fp32.
-          const __m256i dots = _mm256_add_epi32(
-              _mm256_madd_epi16(w_low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
-              _mm256_madd_epi16(w_high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+          const __m256i low = _mm256_madd_epi16(w_low, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+          const __m256i high = _mm256_madd_epi16(w_high, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16)));
           const __m256 xd = _mm256_loadu_ps(xs + (r * blocks + b) * 8);
-          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(s, xd), acc[i][r]);
+          if constexpr (kG16) {  // lane l holds values 2l, 2l + 1 of each half: scale the halves apart
+            const __m256 halves = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), s,
+                                                  _mm256_mul_ps(_mm256_cvtepi32_ps(high), _mm256_broadcast_ss(bs + 1)));
+            acc[i][r] = _mm256_fmadd_ps(halves, xd, acc[i][r]);
+          } else {
+            const __m256i dots = _mm256_add_epi32(low, high);
+            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(s, xd), acc[i][r]);
+          }
         }
       }
     }
@@ -205,7 +216,7 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
 #pragma GCC unroll 16
       for (int r = 0; r < T; ++r) sums[i][r] = hsum(acc[i][r]);
     }
-    if constexpr (!kInt8) {  // + min * the group's activation sum, over the groups
+    if constexpr (kMin) {  // + min * the group's activation sum, over the groups
       if constexpr (T == 1) {
         for (int i = 0; i < R; ++i) sums[i][0] += dot(row_mins + i * groups, x.group_sum + m0 * groups, groups);
       } else {  // all T rows at once: a dot product per output was 20% of the time at M = 16
@@ -230,25 +241,26 @@ void gemm_tile(const uint8_t* w, const S* scales, const S* mins, int64_t group_b
   }
 }
 
-template <int R, typename S, bool kInt8>
+template <int R, typename S, bool kInt8, bool kMin, bool kG16>
 void gemm_columns(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x,
                   int64_t m, int64_t n0, int64_t n1, float* y, int64_t ld_y) {
-  std::vector<float> row_params(R * (x.k / kBlock + x.groups));
+  const int64_t slots = kG16 ? x.groups : x.k / kBlock;
+  std::vector<float> row_params(R * (slots + x.groups));
   float* rs = row_params.data();
-  float* rm = rs + R * (x.k / kBlock);
+  float* rm = rs + R * slots;
   int64_t m0 = 0;
   for (; m0 + kTile <= m; m0 += kTile) {
-    gemm_tile<R, kTile, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm);
+    gemm_tile<R, kTile, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm);
   }
   switch (m - m0) {
-    case 3: gemm_tile<R, 3, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
-    case 2: gemm_tile<R, 2, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
-    case 1: gemm_tile<R, 1, S, kInt8>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 3: gemm_tile<R, 3, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 2: gemm_tile<R, 2, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
+    case 1: gemm_tile<R, 1, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m0, n0, n1, y, ld_y, rs, rm); break;
     default: break;
   }
 }
 
-template <typename S, bool kInt8>
+template <typename S, bool kInt8, bool kMin, bool kG16>
 void gemm(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x, int64_t m,
           int64_t n, float* y) {
   // Columns split across threads in multiples of kRows; a remainder of rows runs one at a time.
@@ -257,41 +269,48 @@ void gemm(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks
   const int64_t n_tiled = n / kRows * kRows;
   at::parallel_for(0, n_tiled / kRows, grain / kRows, [&](int64_t t0, int64_t t1) {
     if (m == 1) {
-      gemm_columns<kRows, S, kInt8>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
+      gemm_columns<kRows, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
     } else {
-      gemm_columns<1, S, kInt8>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
+      gemm_columns<1, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
     }
   });
-  gemm_columns<1, S, kInt8>(w, scales, mins, group_blocks, x, m, n_tiled, n, y, n);
+  gemm_columns<1, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m, n_tiled, n, y, n);
 }
 
-void check_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "int4 weight must be contiguous uint8 (N, K/2)");
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0, "group_size must be a positive multiple of 32, got ", group_size);
-  const int64_t k = w.size(1) * 2;
-  TORCH_CHECK(k % group_size == 0, "group_size ", group_size, " does not divide K=", k);
-  TORCH_CHECK(scales.scalar_type() == mins.scalar_type(), "scales and mins must have one dtype");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
-  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "scales and mins must be contiguous");
-  TORCH_CHECK(scales.numel() == w.size(0) * (k / group_size) && mins.numel() == scales.numel(),
-              "scales and mins must hold N * K / group_size values");
+template <typename S, bool kInt8>
+void gemm_kind(const uint8_t* codes, const S* s, const S* mn, bool g16, int64_t group_blocks, const Activations& act,
+               int64_t m, int64_t n, float* y) {
+  if constexpr (!kInt8) {
+    gemm<S, false, true, false>(codes, s, mn, group_blocks, act, m, n, y);
+  } else if (g16) {
+    if (mn != nullptr) gemm<S, true, true, true>(codes, s, mn, group_blocks, act, m, n, y);
+    else gemm<S, true, false, true>(codes, s, mn, group_blocks, act, m, n, y);
+  } else {
+    if (mn != nullptr) gemm<S, true, true, false>(codes, s, mn, group_blocks, act, m, n, y);
+    else gemm<S, true, false, false>(codes, s, mn, group_blocks, act, m, n, y);
+  }
 }
 
-// y (M, N) = x (M, K) @ W.T for an int4 weight (mins defined) or an int8 one (mins undefined).
+// y (M, N) = x (M, K) @ W.T for an int4 weight (uint8, mins required) or an int8 one (int8; mins
+// optional: undefined or empty means none; group 16 or a multiple of 32).
 void quantized_gemm(const float* xp, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t group_size, float* y) {
-  const bool int8 = !mins.defined();
+  const bool int8 = w.scalar_type() == at::kChar;
+  const bool has_mins = mins.defined() && mins.numel() > 0;
+  const bool g16 = group_size == 16;
   const int64_t n = w.size(0);
   const int64_t k = int8 ? w.size(1) : w.size(1) * 2;
   const int64_t blocks = k / kBlock;
   std::vector<int16_t> q(m * k);
   std::vector<float> scale(m * blocks * 8);
-  std::vector<float> sum(m * blocks);
+  std::vector<float> sum(m * blocks * (g16 ? 2 : 1));  // per group of 16: the halves' sums
   for (int64_t r = 0; r < m; ++r) {
-    quantize_row(xp + r * k, k, q.data() + r * k, scale.data() + r * blocks * 8, sum.data() + r * blocks);
+    float* row_sum = sum.data() + r * blocks * (g16 ? 2 : 1);
+    quantize_row(xp + r * k, k, q.data() + r * k, scale.data() + r * blocks * 8, g16 ? nullptr : row_sum,
+                 g16 ? row_sum : nullptr);
   }
-  const int64_t group_blocks = group_size / kBlock;
-  const int64_t groups = blocks / group_blocks;
+  const int64_t group_blocks = g16 ? 1 : group_size / kBlock;
+  const int64_t groups = g16 ? 2 * blocks : blocks / group_blocks;
   if (group_blocks > 1) {  // block sums -> group sums, in place (group g's sum lands in slot g)
     for (int64_t g = 0; g < m * groups; ++g) {
       float total = 0.0f;
@@ -307,18 +326,20 @@ void quantized_gemm(const float* xp, int64_t m, const at::Tensor& w, const at::T
   const auto* codes = static_cast<const uint8_t*>(w.data_ptr());
   if (scales.scalar_type() == at::kHalf) {
     const auto* s = scales.data_ptr<c10::Half>();
-    if (int8) gemm<c10::Half, true>(codes, s, nullptr, group_blocks, act, m, n, y);
-    else gemm<c10::Half, false>(codes, s, mins.data_ptr<c10::Half>(), group_blocks, act, m, n, y);
+    const c10::Half* mn = has_mins ? mins.data_ptr<c10::Half>() : nullptr;
+    if (int8) gemm_kind<c10::Half, true>(codes, s, mn, g16, group_blocks, act, m, n, y);
+    else gemm_kind<c10::Half, false>(codes, s, mn, g16, group_blocks, act, m, n, y);
   } else {
     const auto* s = scales.data_ptr<float>();
-    if (int8) gemm<float, true>(codes, s, nullptr, group_blocks, act, m, n, y);
-    else gemm<float, false>(codes, s, mins.data_ptr<float>(), group_blocks, act, m, n, y);
+    const float* mn = has_mins ? mins.data_ptr<float>() : nullptr;
+    if (int8) gemm_kind<float, true>(codes, s, mn, g16, group_blocks, act, m, n, y);
+    else gemm_kind<float, false>(codes, s, mn, g16, group_blocks, act, m, n, y);
   }
 }
 
 at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                      int64_t group_size) {
-  check_weight(w, scales, mins, group_size);
+  edgeinfer_cpu::check_int4_weight(w, scales, mins, group_size);
   const int64_t k = w.size(1) * 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -327,77 +348,53 @@ at::Tensor int4_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tens
   return y;
 }
 
-at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales, int64_t group_size) {
+at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& mins_in, int64_t group_size) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "int8 weight must be contiguous int8 (N, K)");
   const int64_t k = w.size(1);
   TORCH_CHECK(k % kBlock == 0, "int8 weight K must be a multiple of 32, got ", k);
-  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && k % group_size == 0,
-              "group_size must be a positive multiple of 32 dividing K=", k, ", got ", group_size);
+  TORCH_CHECK((group_size == 16 || (group_size > 0 && group_size % kBlock == 0)) && k % group_size == 0,
+              "group_size must be 16 or a positive multiple of 32 dividing K=", k, ", got ", group_size);
   TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == w.size(0) * (k / group_size),
               "scales must be contiguous and hold N * K / group_size values");
+  const at::Tensor mins = mins_in.has_value() ? *mins_in : at::Tensor();
+  TORCH_CHECK(!mins.defined() || (mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
+                                  mins.numel() == scales.numel()),
+              "mins must be contiguous, of the scales' dtype and count");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  quantized_gemm(x.data_ptr<float>(), x.size(0), w, scales, at::Tensor(), group_size, y.data_ptr<float>());
+  quantized_gemm(x.data_ptr<float>(), x.size(0), w, scales, mins, group_size, y.data_ptr<float>());
   return y;
-}
-
-template <typename S>
-void dequantize_rows(const uint8_t* w, const S* scales, const S* mins, int64_t group_size, int64_t n, int64_t k,
-                     float* out) {
-  const int64_t groups = k / group_size;
-  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r) {
-      for (int64_t b = 0; b < k / kBlock; ++b) {
-        const int64_t g = r * groups + b * kBlock / group_size;
-        const __m256 s = _mm256_set1_ps(to_float(scales[g]));
-        const __m256 mi = _mm256_set1_ps(to_float(mins[g]));
-        const __m256i codes = unpack_block(w + r * (k / 2) + b * (kBlock / 2));
-        float* o = out + r * k + b * kBlock;
-        for (int j = 0; j < 4; ++j) {
-          const __m128i eight = j < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
-          const __m128i part = (j % 2) ? _mm_srli_si128(eight, 8) : eight;
-          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part));
-          _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(v, s, mi));
-        }
-      }
-    }
-  });
-}
-
-// The (N, K) fp32 weight, written into the first N * K floats of `out` (a reused buffer).
-void int4_dequantize(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size,
-                     at::Tensor out) {
-  check_weight(w, scales, mins, group_size);
-  const int64_t n = w.size(0);
-  const int64_t k = w.size(1) * 2;
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= n * k,
-              "out must be a contiguous fp32 buffer of at least ", n * k, " elements");
-  if (scales.scalar_type() == at::kHalf) {
-    dequantize_rows(w.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), mins.data_ptr<c10::Half>(), group_size, n,
-                    k, out.data_ptr<float>());
-  } else {
-    dequantize_rows(w.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), group_size, n, k,
-                    out.data_ptr<float>());
-  }
 }
 
 }  // namespace
 
-void edgeinfer_cpu::int4_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales,
+void edgeinfer_cpu::check_int4_weight(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                                      int64_t group_size) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), "int4 weight must be contiguous uint8 (N, K/2)");
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0, "group_size must be a positive multiple of 32, got ", group_size);
+  const int64_t k = w.size(1) * 2;
+  TORCH_CHECK(k % group_size == 0, "group_size ", group_size, " does not divide K=", k);
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type(), "scales and mins must have one dtype");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat, "scales must be fp16 or fp32");
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous(), "scales and mins must be contiguous");
+  TORCH_CHECK(scales.numel() == w.size(0) * (k / group_size) && mins.numel() == scales.numel(),
+              "scales and mins must hold N * K / group_size values");
+}
+
+void edgeinfer_cpu::quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales,
                                    const at::Tensor& mins, int64_t group_size, float* y) {
   quantized_gemm(x, m, w, scales, mins, group_size, y);
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, Tensor mins, int group_size) -> Tensor");
-  m.def("int8_gemm(Tensor x, Tensor w, Tensor scales, int group_size) -> Tensor");
-  m.def("int4_dequantize(Tensor w, Tensor scales, Tensor mins, int group_size, Tensor(a!) out) -> ()");
+  m.def("int8_gemm(Tensor x, Tensor w, Tensor scales, Tensor? mins, int group_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
   m.impl("int8_gemm", &int8_gemm);
-  m.impl("int4_dequantize", &int4_dequantize);
 }

@@ -90,16 +90,46 @@ def test_int4_errors_name_the_problem():
 def test_int8_prepare_keeps_fp16_weights_and_errors_name_the_problem():
     weight = _weight(8, 64, 32, torch.float16, seed=1, fmt="int8")
     assert cpu_ops.prepare_int8(weight) is weight  # a Q8_0 tensor runs as loaded: no copy
-    with pytest.raises(ValueError, match="multiples of 32"):
+    with pytest.raises(ValueError, match="K a multiple of 32"):
         cpu_ops.prepare_int8(quantize_int8(torch.randn(8, 48), 16))
+    with pytest.raises(ValueError, match="group 16 or a multiple of 32"):
+        cpu_ops.prepare_int8(quantize_int8(torch.randn(8, 64), 8))
+    gemm = torch.ops.edgeinfer_cpu.int8_gemm
     with pytest.raises(RuntimeError, match="int8 weight must be contiguous int8"):
-        torch.ops.edgeinfer_cpu.int8_gemm(torch.randn(1, 64), weight.qweight.to(torch.int16), weight.scales, 32)
-    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 32 dividing K=64"):
-        torch.ops.edgeinfer_cpu.int8_gemm(torch.randn(1, 64), weight.qweight, weight.scales, 48)
+        gemm(torch.randn(1, 64), weight.qweight.to(torch.int16), weight.scales, None, 32)
+    with pytest.raises(RuntimeError, match="group_size must be 16 or a positive multiple of 32 dividing K=64"):
+        gemm(torch.randn(1, 64), weight.qweight, weight.scales, None, 48)
     with pytest.raises(RuntimeError, match="scales must be contiguous and hold N \\* K / group_size values"):
-        torch.ops.edgeinfer_cpu.int8_gemm(torch.randn(1, 64), weight.qweight, weight.scales[:4], 32)
+        gemm(torch.randn(1, 64), weight.qweight, weight.scales[:4], None, 32)
+    with pytest.raises(RuntimeError, match="mins must be contiguous, of the scales' dtype and count"):
+        gemm(torch.randn(1, 64), weight.qweight, weight.scales, weight.scales.float(), 32)
     with pytest.raises(RuntimeError, match=r"x must be \(M, 64\)"):
         cpu_ops.int8_linear(torch.randn(1, 63), weight)
+
+
+def _int8_with(n, k, group, mins, seed):
+    """int8 as GGUF brings it: groups of 16 (Q6_K) or 32, with mins (Q5_1/Q5_K) or not; fp16."""
+    gen = torch.Generator().manual_seed(seed)
+    w = quantize_int8(torch.randn(n, k, generator=gen) * 0.2, group)
+    offsets = (torch.rand(n, k // group, generator=gen) - 1.2) * 0.3 if mins else None  # never zero
+    return replace(w, scales=w.scales.half(), mins=None if offsets is None else offsets.half())
+
+
+@pytest.mark.parametrize("group,mins", [(16, False), (16, True), (32, True), (64, True)])
+@pytest.mark.parametrize("n,k", [(37, 576), (21, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+def test_int8_with_mins_and_group_16_matches_references(group, mins, n, k, m):
+    weight = _int8_with(n, k, group, mins, seed=n + m + group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2 + 0.3
+    out = cpu_ops.int8_linear(x, cpu_ops.prepare_int8(weight))
+    torch.testing.assert_close(out, int16_activation_gemm_reference(x, weight), rtol=1e-5, atol=1e-4)
+    exact = int8_gemm_reference(x, weight)
+    assert float((out - exact).norm() / exact.norm()) < 1e-4
+    # The per-op path's wide rows: dequantize (mins and groups of 16 included) + fp32 GEMM.
+    prepared = prepare_linear(weight, choose_backend("int4_cpu"))
+    assert prepared.path == "int8_cpu"
+    wide = torch.randn(CPU_KERNEL_MAX_M + 3, k, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(linear(wide, prepared), int8_gemm_reference(wide, weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 31, 63, 64, 70])

@@ -18,7 +18,7 @@ from edgeinfer.worker.batch import SeqChunk, build_batch
 from kernels import cpu_ops
 from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
-from quant.formats import unpack_int4
+from quant.formats import QuantizedTensor, unpack_int4
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the AVX2 CPU ops do not build here")
 
@@ -172,11 +172,52 @@ def test_wide_decode_batches_are_fused_up_to_the_bound(loaded: LoadedModel, mode
     torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
-def test_fused_decode_is_off_where_the_weights_do_not_allow_it() -> None:
-    loaded = synthetic_model(CONFIG, "int8", group_size=32, seed=3)
-    assert not LlamaModel(loaded.config, loaded.weights).fused_steps  # int8: no AVX2 int4 kernel
+def test_fused_decode_is_off_where_the_weights_do_not_allow_it(caplog: pytest.LogCaptureFixture) -> None:
     loaded = synthetic_model(CONFIG, "int4", group_size=32, seed=3)
+    weights = dict(loaded.weights)
+    weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"].dequantize(
+        torch.bfloat16)  # a bf16 GEMV: no C++ quantized kernel
+    with caplog.at_level("INFO", logger="edgeinfer.models.weights"):
+        assert not LlamaModel(loaded.config, weights).fused_steps
+    assert [r.getMessage() for r in caplog.records if "per-op forward" in r.getMessage()]
     assert not LlamaModel(loaded.config, loaded.weights, choose_backend("reference")).fused_steps
+
+
+def _gguf_like_int8(weight: QuantizedTensor, group: int, mins: bool, seed: int) -> QuantizedTensor:
+    """An int8 weight of the weight's shape as GGUF Q6_K (group 16) or Q5_K (mins) bring it."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = weight.shape
+    codes = torch.randint(-32 if group == 16 else 0, 32, (n, k), generator=g, dtype=torch.int8)
+    scales = ((torch.rand(n, k // group, generator=g) + 0.5) / (k ** 0.5 * 18)).half()
+    offsets = (-15.5 * scales.float() * (torch.rand(n, k // group, generator=g) + 0.5)).half() if mins else None
+    return QuantizedTensor("int8", (n, k), group, codes, scales, offsets)
+
+
+def test_fused_step_runs_mixed_int4_and_int8_linears(loaded: LoadedModel) -> None:
+    """A Q4_K_M-like model: int4 g32 linears, V and down int8 g16 (Q6_K) in some layers, o int8
+    g32 with mins (Q5_K): the fused step runs it and matches the per-op forward."""
+    weights = dict(loaded.weights)
+    for i in range(CONFIG.num_layers):
+        p = f"model.layers.{i}."
+        if i != 1:  # like Q4_K_M: only some layers' V and down are Q6_K
+            for name in ("self_attn.v_proj", "mlp.down_proj"):
+                weights[p + name + ".weight"] = _gguf_like_int8(weights[p + name + ".weight"], 16, False, i)
+        weights[p + "self_attn.o_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.o_proj.weight"], 32, True, i)
+    mixed = LlamaModel(loaded.config, weights)
+    assert mixed.fused_steps
+    per_op = LlamaModel(loaded.config, weights, dataclasses.replace(mixed.backend, fused_step_max_tokens=0))
+    g = torch.Generator().manual_seed(5)
+    lengths, tables = (1, 6, 13), [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    fused_pool = _prefilled(per_op, "fp32", prompts, tables)
+    reference_pool = copy.deepcopy(fused_pool)
+    chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n, t)
+              for n, t in zip(lengths, tables, strict=True)]
+    token_ids, batch = build_batch(chunks, BLOCK, mixed.device)
+    assert mixed.runs_fused(len(token_ids), fused_pool)
+    fused = mixed.forward(token_ids, batch, fused_pool)
+    reference = per_op.forward(token_ids, batch, reference_pool)
+    torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
 def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
@@ -189,7 +230,7 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
 
     def run(weights=model.weights.fused, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
             v_caches=v, **int8):
-        cpu_ops.decode_layers(h, weights, 32, model._cos, model._sin, positions, k_caches, v_caches, slots,
+        cpu_ops.decode_layers(h, weights, model._cos, model._sin, positions, k_caches, v_caches, slots,
                               batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5, **int8)
 
     with pytest.raises(RuntimeError, match="14 weights"):

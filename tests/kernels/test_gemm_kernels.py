@@ -88,6 +88,29 @@ INT8_CASES = [
 ]
 
 
+# GGUF's int8: groups of 16 (Q6_K) and mins (Q5_1/Q5_K); mins drawn away from zero.
+INT8_MIN_CASES = [
+    (1, 40, 576, 16, False, torch.float16),
+    (3, 72, 1536, 16, True, torch.float16),
+    (17, 40, 576, 32, True, torch.bfloat16),
+    (33, 72, 1536, 16, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("m, n, k, group, mins, dtype", INT8_MIN_CASES)
+def test_int8_gemm_with_mins_and_group_16_matches_reference(m, n, k, group, mins, dtype):
+    torch.manual_seed(m + n + k + group)
+    weight = _int8(n, k, group, torch.float16)
+    if mins:
+        weight = QuantizedTensor("int8", weight.shape, group, weight.qweight, weight.scales,
+                                 ((torch.rand(n, k // group) - 1.2) * 0.3).to(DEVICE, torch.float16))
+    x = _x(m, k, dtype)
+    y = int8_gemm(x, prepare_int8(weight))
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert _rel_err(y, x, weight) < BOUND[dtype]
+    assert _rel_err(int8_gemm_reference(x, weight), x, weight) < BOUND[dtype]
+
+
 @pytest.mark.parametrize("m, n, k, group, dtype, scale_dtype", INT8_CASES)
 def test_int8_gemm_matches_reference(m, n, k, group, dtype, scale_dtype):
     torch.manual_seed(m * 1000 + n + k + (group or 0))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from fake_runner import greedy_alone
+from gguf_packing import K_TYPES, random_blocks
 
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.loader import load_model
@@ -51,7 +52,8 @@ def _one_tensor_gguf(path: Path, kind: str, n: int, k: int) -> None:
     t = gguf.GGMLQuantizationType[kind]
     values = np.random.default_rng(n * k + t).standard_normal((n, k)).astype(np.float32)
     writer = gguf.GGUFWriter(str(path), "llama")
-    data = values if kind == "F32" else values.astype(np.float16) if kind == "F16" else gguf.quants.quantize(values, t)
+    data = values if kind == "F32" else values.astype(np.float16) if kind == "F16" else \
+        random_blocks(kind, n, k, seed=n).reshape(n, -1) if kind in K_TYPES else gguf.quants.quantize(values, t)
     writer.add_tensor("token_embd.weight", data, raw_dtype=None if kind in ("F32", "F16") else t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -59,10 +61,11 @@ def _one_tensor_gguf(path: Path, kind: str, n: int, k: int) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                  "Q6_K"])
 def test_file_rows_equal_the_loaded_tensor(kind: str, tmp_path: Path) -> None:
     path = tmp_path / "rows.gguf"
-    n, k = 37, 96  # rows and blocks that fill no power-of-two tile
+    n, k = 37, 512 if kind in K_TYPES else 96  # rows and blocks that fill no power-of-two tile
     _one_tensor_gguf(path, kind, n, k)
     (tensor,) = open_gguf(path).tensors
     whole = convert_tensor(tensor, read_tensor(path, tensor))
@@ -83,18 +86,22 @@ def test_file_rows_equal_the_loaded_tensor(kind: str, tmp_path: Path) -> None:
             rows.read_reference(torch.tensor(bad))
 
 
-def test_other_types_are_dequantized_with_a_warning_that_names_them(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+def test_requantized_types_are_converted_whole(tmp_path: Path) -> None:
+    """A Q2_K tensor (re-quantized to int4, tests/quant/test_gguf_blocks.py) has no row reader."""
     import gguf
 
-    path = tmp_path / "q5.gguf"
-    _one_tensor_gguf(path, "Q5_0", 37, 96)  # not one of edgeinfer's own types (quant.gguf_reader.GGMLType)
+    path = tmp_path / "q2k.gguf"
+    raw = np.random.default_rng(0).integers(0, 256, (37, 2 * 84), dtype=np.uint8)
+    raw.reshape(37, 2, 84)[..., 80:84] = np.array([0.01, 0.001], np.float16).view(np.uint8)  # d, dmin finite
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     (tensor,) = open_gguf(path).tensors
-    raw = read_tensor(path, tensor)
-    with caplog.at_level("WARNING"):
-        weight = convert_tensor(tensor, raw)
-    assert "token_embd.weight" in caplog.text and "Q5_0" in caplog.text
-    expected = gguf.quants.dequantize(raw.reshape(37, -1), gguf.GGMLQuantizationType.Q5_0)
-    assert weight.dtype == torch.float32 and torch.equal(weight, torch.from_numpy(expected))
+    weight = convert_tensor(tensor, read_tensor(path, tensor))
+    assert weight.format == "int4" and weight.shape == (37, 512)
     with pytest.raises(ValueError, match="token_embd.weight cannot be read by rows"):
         FileRows(path, tensor)
 

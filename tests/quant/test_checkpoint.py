@@ -109,6 +109,10 @@ def _all_formats() -> dict[str, QuantizedTensor | torch.Tensor]:
     out[layer + "mlp.gate_proj.weight"] = quantize_nf4(w[layer + "mlp.gate_proj.weight"], 64)
     out[layer + "mlp.up_proj.weight"] = w[layer + "mlp.up_proj.weight"].half()
     out[layer + "mlp.down_proj.weight"] = w[layer + "mlp.down_proj.weight"].bfloat16()
+    g16 = quantize_int8(w["model.layers.1.self_attn.o_proj.weight"], 16)  # as from a GGUF Q6_K / Q5_K
+    out["model.layers.1.self_attn.o_proj.weight"] = QuantizedTensor(
+        "int8", g16.shape, 16, g16.qweight, g16.scales.half(), (-3 * g16.scales).half()
+    )
     return out
 
 

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from quant.formats import QuantizedTensor, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from quant.formats import (
+    QuantizedTensor,
+    as_int8,
+    concat_rows,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 
 def test_pack_unpack_round_trip() -> None:
@@ -48,3 +56,23 @@ def test_to_moves_every_tensor_and_keeps_the_weight() -> None:
         assert all(t.device.type == "meta" for t in (moved.qweight, moved.scales))
         assert (moved.mins is None) == (q.mins is None) and (q.mins is None or moved.mins.device.type == "meta")
         assert torch.equal(q.to("cpu").dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("fmt,group,to", [("int4", 32, 16), ("int4", 64, 32), ("int8", 32, 16), ("int8", 16, 16)])
+def test_as_int8_is_exact(fmt: str, group: int, to: int) -> None:
+    w = torch.randn(6, 128)
+    qt = quantize_int4(w, group) if fmt == "int4" else quantize_int8(w, group)
+    converted = as_int8(qt, to, torch.float32)
+    assert converted.format == "int8" and converted.group_size == to and converted.mins is not None
+    assert torch.equal(converted.dequantize(), qt.dequantize())
+
+
+def test_int8_mins_are_checked_and_dequantized() -> None:
+    qt = quantize_int8(torch.randn(4, 64), 16)
+    mins = torch.randn(4, 4)
+    with_mins = QuantizedTensor("int8", qt.shape, 16, qt.qweight, qt.scales, mins)
+    assert torch.equal(with_mins.dequantize(), qt.dequantize() + mins.repeat_interleave(16, dim=1))
+    with pytest.raises(ValueError, match="mins have shape"):
+        QuantizedTensor("int8", qt.shape, 16, qt.qweight, qt.scales, mins[:, :2])
+    with pytest.raises(ValueError, match="mins True vs False"):
+        concat_rows([with_mins, qt])
