@@ -35,6 +35,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
 from quant.checkpoint import check_destination, save_checkpoint
 from quant.formats import GROUP_SIZES, QuantizedTensor, quantize_int4, quantize_int8
 from quant.gguf_import import ModelFileError, check_weights, require_gguf_file
@@ -125,7 +126,7 @@ def _open_gguf(path: Path) -> Source:
     from quant.gguf_import import open_gguf_model
 
     gguf = open_gguf_model(path)
-    tokenizer = Tokenizer.from_gguf_metadata(gguf.tokenizer_metadata)
+    tokenizer = tokenizer_from_gguf(gguf.tokenizer_metadata)
     return Source("gguf", path, gguf.config, tokenizer, list(gguf.tensors), gguf.load)
 
 

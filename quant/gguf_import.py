@@ -27,6 +27,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from quant.formats import QuantizedTensor
+from quant.gguf_eog import end_of_generation_ids
 from quant.gguf_reader import (
     GGUF_MAGIC,
     GGMLType,
@@ -113,7 +114,6 @@ def read_config(reader: GGUFFile) -> ModelConfig:
 
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     return ModelConfig(
         vocab_size=int(vocab),
@@ -128,16 +128,17 @@ def read_config(reader: GGUFFile) -> ModelConfig:
         max_position=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=end_of_generation_ids(_tokenizer_fields(reader)),
         architecture=arch,
     )
 
 
+def _tokenizer_fields(reader: GGUFFile) -> dict[str, Any]:
+    return {k.removeprefix("tokenizer."): v for k, v in reader.metadata.items() if k.startswith("tokenizer.")}
+
+
 def read_tokenizer_metadata(reader: GGUFFile) -> dict[str, Any]:
-    meta = {}
-    for field_name, value in reader.metadata.items():
-        if field_name.startswith("tokenizer."):
-            meta[field_name.removeprefix("tokenizer.")] = value
+    meta = _tokenizer_fields(reader)
     if "ggml.tokens" not in meta:
         raise ModelFileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     return meta
