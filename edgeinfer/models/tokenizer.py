@@ -132,13 +132,17 @@ class Tokenizer:
         if (folder / "generation_config.json").is_file():
             generation = json.loads((folder / "generation_config.json").read_text())
         eos = generation.get("eos_token_id")
+        bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
+        # Without add_bos_token / add_eos_token in the config, the tokenizer class decides; the
+        # tokenizer.json's post-processor says what that class adds (Llama 3's adds BOS).
+        with_specials = backend.encode("", add_special_tokens=True).ids
         decoder = backend.decoder.__getstate__() if backend.decoder is not None else b""
         return cls(
             backend,
-            bos_token_id=token_id("bos_token"),
-            eos_token_id=token_id("eos_token"),
-            add_bos=bool(config.get("add_bos_token", False)),
-            add_eos=bool(config.get("add_eos_token", False)),
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            add_bos=bool(config.get("add_bos_token", bos_id is not None and bos_id in with_specials[:1])),
+            add_eos=bool(config.get("add_eos_token", eos_id is not None and eos_id in with_specials[-1:])),
             chat_template=template,
             stop_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             byte_level=not decoder or decoder.startswith(b'{"type":"ByteLevel"'),
