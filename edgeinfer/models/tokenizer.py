@@ -50,10 +50,11 @@ def _sentencepiece_bytes(piece: str) -> bytes:
     return piece.replace("\u2581", " ").encode("utf-8")
 
 
+# core.sampling_params.MODEL_DEFAULT_FIELDS, named again: this file imports nothing of core/.
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
-def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+def generation_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
     """The sampling fields of an HF generation_config.json. They mean something only when the
     file samples: with do_sample false (HF's default) transformers decodes greedily, and so does
     an edgeinfer request that says temperature 0."""
@@ -88,7 +89,7 @@ class Tokenizer:
         # <|im_end|>, <end_of_turn>, generation_config.json's eos_token_id list).
         eos = () if eos_token_id is None else (eos_token_id,)
         self.stop_token_ids = tuple(dict.fromkeys((*eos, *stop_token_ids)))
-        # generation_config.json's sampling fields, for front ends to use where the user set none.
+        # generation_config.json's sampling fields: the engine fills a request's unset fields from them.
         self.sampling_defaults = dict(sampling_defaults or {})
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
@@ -146,7 +147,7 @@ class Tokenizer:
             chat_template=template,
             stop_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             byte_level=not decoder or decoder.startswith(b'{"type":"ByteLevel"'),
-            sampling_defaults=sampling_defaults(generation),
+            sampling_defaults=generation_sampling_defaults(generation),
         )
 
     def save(self, folder: str | Path) -> None:
