@@ -95,6 +95,7 @@ def train_byte_level(pre: str, vocab_size: int = 3000) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(training_text(), trainer)
+    tok.model.ignore_merges = pre == "llama-bpe"  # as Llama 3's tokenizer.json
     tok.add_tokens([AddedToken("<think>", normalized=False, special=False)])  # a user-defined token
     return tok
 

@@ -65,6 +65,9 @@ PRE_TOKENIZERS: dict[str, tuple[str, bool, bool]] = {
     "tekken": (_TEKKEN_SPLIT, False, False),
 }
 FALLBACK_PRE = "gpt-2"
+# Llama 3 looks a word up whole before merging (tokenizer.json's "ignore_merges", llama.cpp's
+# ignore_merges for these names) and adds BOS unless the file says otherwise.
+_LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe")
 
 
 def _byte_level(backend: HFTokenizer, pre: str | None) -> None:
@@ -131,7 +134,8 @@ def backend_from_gguf(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta.get("ggml.merges", [])]
         backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                         fuse_unk=False, byte_fallback=False))
+                                         fuse_unk=False, byte_fallback=False,
+                                         ignore_merges=meta.get("ggml.pre") in _LLAMA3_NAMES))
         _byte_level(backend, meta.get("ggml.pre"))
     else:
         backend = _sentencepiece(meta, tokens, set(control) | set(user))
@@ -146,11 +150,13 @@ def backend_from_gguf(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
 def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     """The tokenizer a GGUF file's tokenizer.* metadata describes (keys without "tokenizer.")."""
     backend, byte_level = backend_from_gguf(meta)
+    # llama.cpp's defaults when the file does not say: BOS for SentencePiece and Llama 3.
+    bos_by_default = not byte_level or meta.get("ggml.pre") in _LLAMA3_NAMES
     return Tokenizer(
         backend,
         bos_token_id=meta.get("ggml.bos_token_id"),
         eos_token_id=meta.get("ggml.eos_token_id"),
-        add_bos=bool(meta.get("ggml.add_bos_token", False)),
+        add_bos=bool(meta.get("ggml.add_bos_token", bos_by_default)),
         add_eos=bool(meta.get("ggml.add_eos_token", False)),
         chat_template=meta.get("chat_template"),
         stop_token_ids=end_of_generation_ids(meta),

@@ -157,6 +157,9 @@ def test_stop_ids_follow_the_file(tmp_path: Path) -> None:
     meta = read_tokenizer_metadata(open_gguf(tmp_path / "a.gguf"))
     meta = {**meta, "ggml.eos_token_id": vocab["<|eot_id|>"], "ggml.eot_token_id": vocab["<|eot_id|>"],
             "ggml.eom_token_id": vocab["<think>"]}
+    # llama.cpp adds Llama 3's BOS where the file does not say (this one says no).
+    assert not tokenizer_from_gguf(meta).add_bos
+    assert tokenizer_from_gguf({k: v for k, v in meta.items() if k != "ggml.add_bos_token"}).add_bos
     # EOS, EOT, EOM in that order, once each, then the end-of-turn tokens the file does not name.
     expected = (vocab["<|eot_id|>"], vocab["<think>"], vocab["<|end_of_text|>"])
     assert tokenizer_from_gguf(meta).stop_token_ids == expected
