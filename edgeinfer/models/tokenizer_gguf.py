@@ -50,9 +50,7 @@ _TEKKEN_SPLIT = (
 # regex after Digits(individual_digits), as SmolLM2's tokenizer.json has it; Qwen2's
 # tokenizer.json normalizes to NFC before splitting (llama.cpp does not).
 PRE_TOKENIZERS: dict[str, tuple[str, bool, bool]] = {
-    "default": (_GPT2_SPLIT, False, False),
     "gpt-2": (_GPT2_SPLIT, False, False),
-    "gpt2": (_GPT2_SPLIT, False, False),
     "phi-2": (_GPT2_SPLIT, False, False),
     "smollm": (_GPT2_SPLIT, True, False),
     "llama3": (_LLAMA3_SPLIT, False, False),
