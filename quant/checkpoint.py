@@ -3,7 +3,8 @@
 Layout of a checkpoint folder::
 
     config.json            ModelConfig fields + "edgeinfer_format": {"name": "edgeinfer", "version": 1}
-    tokenizer.json         (+ tokenizer_config.json, chat_template.jinja) via Tokenizer.save
+    tokenizer.json         (+ tokenizer_config.json, generation_config.json, chat_template.jinja)
+                           via Tokenizer.save
     model.safetensors      every tensor; its __metadata__ holds "format": "edgeinfer",
                            "format_version": "1" and, per weight NAME, a JSON string
                            {"format": "int4"|"int8"|"nf4"|"fp32"|"fp16"|"bf16", "shape": [...],

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.config import ArchSpec, ModelConfig
+from quant.gguf_eog import end_of_generation_ids
 from quant.gguf_reader import GGUFFile, read_tensor
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
@@ -91,6 +92,11 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.metadata.get(key, default)
 
 
+def tokenizer_fields(reader: GGUFFile) -> dict[str, Any]:
+    """The file's tokenizer.* metadata, keys without the prefix."""
+    return {k.removeprefix("tokenizer."): v for k, v in reader.metadata.items() if k.startswith("tokenizer.")}
+
+
 def read_config(reader: GGUFFile) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -111,7 +117,6 @@ def read_config(reader: GGUFFile) -> ModelConfig:
     if rope_dims != head_dim:
         raise ModelFileError(f"{arch}: RoPE on {rope_dims} of {head_dim} head dimensions (partial rotary) "
                              f"is not supported")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     return ModelConfig(
         vocab_size=int(vocab),
@@ -126,7 +131,7 @@ def read_config(reader: GGUFFile) -> ModelConfig:
         max_position=int(need("context_length")),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=end_of_generation_ids(tokenizer_fields(reader)),
         architecture=arch,
         spec=_spec(reader, arch, hidden, num_heads, head_dim, num_layers),
     )

@@ -31,7 +31,15 @@ import torch
 from edgeinfer.config import ModelConfig
 from quant import gguf_blocks
 from quant.formats import QuantizedTensor
-from quant.gguf_arch import ModelFileError, check_weights, hf_name, permutes_rope_rows, read_config, unpermute_rope_rows
+from quant.gguf_arch import (
+    ModelFileError,
+    check_weights,
+    hf_name,
+    permutes_rope_rows,
+    read_config,
+    tokenizer_fields,
+    unpermute_rope_rows,
+)
 from quant.gguf_reader import (
     GGUF_MAGIC,
     GGMLType,
@@ -68,10 +76,7 @@ class GGUFModel:
 
 
 def read_tokenizer_metadata(reader: GGUFFile) -> dict[str, Any]:
-    meta = {}
-    for field_name, value in reader.metadata.items():
-        if field_name.startswith("tokenizer."):
-            meta[field_name.removeprefix("tokenizer.")] = value
+    meta = tokenizer_fields(reader)
     if "ggml.tokens" not in meta:
         raise ModelFileError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     return meta

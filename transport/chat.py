@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.core.request import GenerateRequest
-from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams, given_fields
 from transport import auth, daemon
 from transport import protocol as wire
 from transport.client import Client, connect
@@ -56,7 +56,8 @@ class LocalChat:
         except InvalidParams as exc:
             yield wire.error_to_wire("invalid_params", str(exc), rid)
             return
-        request = GenerateRequest(rid, messages=tuple(dict(m) for m in messages), params=sampling)
+        request = GenerateRequest(rid, messages=tuple(dict(m) for m in messages), params=sampling,
+                                  params_given=given_fields(params))
         async with contextlib.aclosing(self.engine.generate(request)) as events:
             async for event in events:
                 yield wire.event_to_wire(event, rid)

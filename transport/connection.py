@@ -220,9 +220,10 @@ class Connection:
         engine_id = f"c{self.number}:{msg.id}"
         if isinstance(msg, wire.Chat):
             messages = tuple({"role": m.role, "content": m.content} for m in msg.messages)
-            request = GenerateRequest(engine_id, messages=messages, params=msg.params)
+            request = GenerateRequest(engine_id, messages=messages, params=msg.params, params_given=msg.params_given)
         else:
-            request = GenerateRequest(engine_id, msg.prompt, msg.prompt_token_ids, params=msg.params)
+            request = GenerateRequest(engine_id, msg.prompt, msg.prompt_token_ids, params=msg.params,
+                                      params_given=msg.params_given)
         self.server.counters["requests"] += 1
         state = RequestState()
         self.requests[msg.id] = state

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from edgeinfer.core.events import Accepted, Error, Event, Finished, PromptLogprobs, Token, TokenLogprob
-from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams, given_fields
 
 PROTOCOL_VERSION = "edgeinfer/1"
 MAX_ID_CHARS = 128
@@ -81,6 +81,7 @@ class Generate:
     params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    params_given: frozenset[str] = frozenset()  # the fields the client set (the model's defaults fill the rest)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Chat:
     id: str
     messages: tuple[ChatMessage, ...]
     params: SamplingParams
+    params_given: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,11 @@ def _params(obj: Mapping[str, Any], request_id: str) -> SamplingParams:
         raise ProtocolError("invalid_params", f"sampling parameters rejected: {exc}", request_id) from None
 
 
+def _given(obj: Mapping[str, Any]) -> frozenset[str]:
+    params = obj.get("params")  # already checked by _params
+    return given_fields(params) if isinstance(params, Mapping) else frozenset()
+
+
 def _parse_hello(obj: Mapping[str, Any], request_id: str | None) -> Hello:
     version = obj.get("version")
     if version != PROTOCOL_VERSION:
@@ -259,7 +266,7 @@ def _parse_generate(obj: Mapping[str, Any], request_id: str | None) -> Generate:
             raise ProtocolError(INVALID_MESSAGE, "field 'prompt_token_ids' must be a non-empty array of "
                                 "non-negative integers", rid)
         token_ids = tuple(token_ids)
-    return Generate(rid, _params(obj, rid), prompt, token_ids)
+    return Generate(rid, _params(obj, rid), prompt, token_ids, _given(obj))
 
 
 def _is_token_id(value: Any) -> bool:
@@ -287,7 +294,7 @@ def _parse_chat(obj: Mapping[str, Any], request_id: str | None) -> Chat:
             raise ProtocolError(INVALID_MESSAGE,
                                 f"messages[{i}].content must be a string, got {_kind(content)}", rid)
         messages.append(ChatMessage(role, content))
-    return Chat(rid, tuple(messages), _params(obj, rid))
+    return Chat(rid, tuple(messages), _params(obj, rid), _given(obj))
 
 
 def _parse_cancel(obj: Mapping[str, Any], request_id: str | None) -> Cancel:

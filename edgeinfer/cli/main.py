@@ -36,6 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from edgeinfer.core.request import GenerateRequest
     from edgeinfer.engine.api import Engine, EngineConfig
 
+    given = _given_sampling_flags(args)
     params = _generate_params(args)
     # Its prompt is at most a token per UTF-8 byte, plus up to 256 of the chat template's.
     tokens = len(args.prompt.encode()) + (0 if args.no_chat else 256) + args.max_tokens + 1
@@ -45,9 +46,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     scheduler = SchedulerConfig(speculative="draft" if args.draft_model else args.speculative or "off")
     draft = str(model_path(args.draft_model)) if args.draft_model else None
     if args.no_chat:
-        request = GenerateRequest("generate", prompt=args.prompt, params=params)
+        request = GenerateRequest("generate", prompt=args.prompt, params=params, params_given=given)
     else:
-        request = GenerateRequest("generate", messages=({"role": "user", "content": args.prompt},), params=params)
+        request = GenerateRequest("generate", messages=({"role": "user", "content": args.prompt},), params=params,
+                                  params_given=given)
 
     async def run() -> None:
         config = EngineConfig(str(model_path(args.model)), runtime, scheduler, draft_model_path=draft)
@@ -69,6 +71,20 @@ def _one_request_runtime(args: argparse.Namespace, tokens: int, sequences: int =
     """The runtime flags, with a KV pool for one request of ``tokens`` tokens per sequence."""
     runtime = runtime_config(args)
     return dataclasses.replace(runtime, num_kv_blocks=(-(-tokens // runtime.block_size) + 1) * sequences)
+
+
+# generate's sampling flags and what each is when not given: greedy, unless the model's own
+# generation_config.json says otherwise (the engine fills the fields not given from it).
+_SAMPLING_FLAG_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+def _given_sampling_flags(args: argparse.Namespace) -> frozenset[str]:
+    """The sampling flags the user typed; the others are set to their defaults."""
+    given = frozenset(k for k in _SAMPLING_FLAG_DEFAULTS if getattr(args, k) is not None)
+    for name, default in _SAMPLING_FLAG_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return given
 
 
 def _generate_params(args: argparse.Namespace) -> SamplingParams:
@@ -187,9 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=HelpFormatter)
     gen.add_argument("prompt", help="the user's message (sent through the chat template unless --no-chat)")
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens of the answer")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the likeliest token each step)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens this likely")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    gen.add_argument("--temperature", type=float,
+                     help="0: greedy (the likeliest token each step); default: the model's generation_config.json, "
+                          "else 0")
+    gen.add_argument("--top-p", type=float, help="sample from the smallest set of tokens this likely; default: the "
+                                                 "model's generation_config.json, else 1")
+    gen.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (0: all); default: the model's "
+                                               "generation_config.json, else 0")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling (the same seed, the same answer)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")

@@ -18,3 +18,6 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    # The sampling fields the client set; the engine fills the others from the model's own
+    # defaults (generation_config.json). None: all of them are the caller's (tools, tests).
+    params_given: frozenset[str] | None = None

@@ -13,6 +13,7 @@ Face otherwise (repetition_penalty over prompt and output tokens, top_k, min_p).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -180,6 +181,26 @@ class SamplingParams:
         if vocab_size is not None:
             params.check_vocab(vocab_size)
         return params
+
+
+# What a model's own files (HF generation_config.json) may choose for a request that does not.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def with_model_defaults(params: SamplingParams, given: frozenset[str],
+                        defaults: Mapping[str, Any]) -> SamplingParams:
+    """`params` with the model's defaults in every MODEL_DEFAULT_FIELDS field the client did not
+    set (`given` names those it did). Raises InvalidParams if the mix is invalid. Beam search
+    takes none: it samples nothing, and refuses a repetition penalty."""
+    if params.beam_width:
+        return params
+    chosen = {k: v for k, v in defaults.items() if k in MODEL_DEFAULT_FIELDS and k not in given}
+    return dataclasses.replace(params, **chosen) if chosen else params
+
+
+def given_fields(data: Mapping[str, Any]) -> frozenset[str]:
+    """The fields client data sets (a null value sets nothing: it means the default)."""
+    return frozenset(str(k) for k, v in data.items() if v is not None)
 
 
 def _fail(name: str, value: Any, problem: str) -> NoReturn:

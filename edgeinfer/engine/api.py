@@ -35,6 +35,7 @@ from anyio.abc import TaskStatus
 from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
 from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished, Health
 from edgeinfer.core.request import GenerateRequest
+from edgeinfer.core.sampling_params import InvalidParams, with_model_defaults
 from edgeinfer.core.scheduler import Scheduler
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
 from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, compute_thread, run_on
@@ -305,10 +306,15 @@ class RequestStream:
         # waits on us, plus one slot for a slow_reader error should that bound ever be wrong.
         # Buffers grow as used.
         p = request.params
+        if request.params_given is not None:  # a client's request: the model's defaults fill the rest
+            try:
+                p = with_model_defaults(p, request.params_given, engine.tokenizer.sampling_defaults)
+            except InvalidParams as exc:
+                return Error(request.request_id, INVALID_PARAMS, f"{exc} (with the model's generation defaults)")
         room = 2 + (p.prompt_logprobs is not None) + p.n * p.max_tokens + 1
         send, self._receive = anyio.create_memory_object_stream[Event](room)
         try:
-            await engine._submit.tell(Submit(request.request_id, prompt_ids, request.params, send))
+            await engine._submit.tell(Submit(request.request_id, prompt_ids, p, send))
         except ActorFailed:
             send.close()
             return engine._closed_error(request.request_id)

@@ -6,6 +6,7 @@ a name. Returns plain data: the architecture, the weights by HF name, and the to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
 from quant.formats import QuantizedTensor
 from quant.gguf_import import ModelFileError, require_gguf_file
 
@@ -36,7 +38,7 @@ def load_model(path: str | Path) -> LoadedModel:
         from quant.gguf_import import load_gguf
 
         gguf = load_gguf(path)
-        return LoadedModel(gguf.config, gguf.weights, Tokenizer.from_gguf_metadata(gguf.tokenizer_metadata), "gguf")
+        return LoadedModel(gguf.config, gguf.weights, tokenizer_from_gguf(gguf.tokenizer_metadata), "gguf")
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelFileError(f"{path} is a folder without config.json: not a model")
@@ -44,8 +46,16 @@ def load_model(path: str | Path) -> LoadedModel:
         from quant.checkpoint import load_checkpoint
 
         config, weights = load_checkpoint(path)
-        return LoadedModel(config, weights, Tokenizer.from_folder(path), "edgeinfer")
+        return _with_stop_ids(config, weights, Tokenizer.from_folder(path), "edgeinfer")
     from quant.hf_import import load_hf_folder
 
     config, weights = load_hf_folder(path)
-    return LoadedModel(config, weights, Tokenizer.from_folder(path), "hf")
+    return _with_stop_ids(config, weights, Tokenizer.from_folder(path), "hf")
+
+
+def _with_stop_ids(config: ModelConfig, weights: Mapping[str, torch.Tensor | QuantizedTensor], tokenizer: Tokenizer,
+                   source: str) -> LoadedModel:
+    """A folder's config.json names one EOS; its tokenizer (generation_config.json's eos list)
+    names every id the model's own generation stops on. The engine stops on all of them."""
+    stop_ids = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.stop_token_ids)))
+    return LoadedModel(dataclasses.replace(config, eos_token_ids=stop_ids), weights, tokenizer, source)

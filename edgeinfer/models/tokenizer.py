@@ -1,10 +1,12 @@
 """Tokenizer, chat template and incremental detokenizer, built from a model's own metadata.
 
-A GGUF file carries a gpt2-style byte-level BPE vocabulary, merges, token types and a Jinja chat
-template; an HF folder or edgeinfer checkpoint carries tokenizer.json (+ a chat template). Both
-become one `Tokenizer`. Detokenization works on bytes: every byte-level token maps to the raw
-bytes it stands for, and an incremental UTF-8 decoder releases text only once a character is
-complete, so a stream never emits half a character.
+A GGUF file carries a byte-level BPE or SentencePiece vocabulary, token types, special token ids
+and a Jinja chat template (edgeinfer/models/tokenizer_gguf.py rebuilds it); an HF folder or
+edgeinfer checkpoint carries tokenizer.json, tokenizer_config.json (special tokens, chat template)
+and generation_config.json (stop ids, sampling defaults). Both become one `Tokenizer`.
+Detokenization works on bytes: every token maps to the raw bytes it stands for (byte-level
+characters, or SentencePiece's "▁" and <0xNN> pieces), and an incremental UTF-8 decoder releases
+text only once a character is complete, so a stream never emits half a character.
 """
 
 from __future__ import annotations
@@ -15,19 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-
-CONTROL_TOKEN_TYPE = 3
-USER_DEFINED_TOKEN_TYPE = 4
-
-# llama.cpp's pre-tokenizer names -> split regex; 'smollm' splits digits one by one, as the
-# model's original tokenizer.json does (Digits(individual_digits) + the GPT-2 regex).
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -43,15 +33,34 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(keep, (chr(c) for c in chars), strict=True))
 
 
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, byte_level])
-    steps = [pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated"), byte_level]
-    if pre == "smollm":
-        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    return pre_tokenizers.Sequence(steps)
+_BYTE_OF = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _byte_level_bytes(piece: str) -> bytes:
+    """A byte-level token's raw bytes; a token outside the byte alphabet (an added one) as text."""
+    if all(ch in _BYTE_OF for ch in piece):
+        return bytes(_BYTE_OF[ch] for ch in piece)
+    return piece.encode("utf-8")
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    """A SentencePiece token's bytes: "<0xNN>" is the byte NN (byte fallback), "▁" a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+# core.sampling_params.MODEL_DEFAULT_FIELDS, named again: this file imports nothing of core/.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def generation_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of an HF generation_config.json. They mean something only when the
+    file samples: with do_sample false (HF's default) transformers decodes greedily, and so does
+    an edgeinfer request that says temperature 0."""
+    if not generation_config.get("do_sample", False):
+        return {"temperature": 0.0} if "do_sample" in generation_config else {}
+    return {k: generation_config[k] for k in SAMPLING_DEFAULT_FIELDS if generation_config.get(k) is not None}
 
 
 class Tokenizer:
@@ -65,56 +74,39 @@ class Tokenizer:
         eos_token_id: int | None,
         add_bos: bool,
         chat_template: str | None,
+        stop_token_ids: tuple[int, ...] = (),
+        byte_level: bool = True,
+        add_eos: bool = False,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = add_bos
+        self.add_eos = add_eos
         self.chat_template = chat_template
+        # Every id that ends generation as the model's own runtime would stop (EOS, EOT, EOM,
+        # <|im_end|>, <end_of_turn>, generation_config.json's eos_token_id list).
+        eos = () if eos_token_id is None else (eos_token_id,)
+        self.stop_token_ids = tuple(dict.fromkeys((*eos, *stop_token_ids)))
+        # generation_config.json's sampling fields: the engine fills a request's unset fields from them.
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
         special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        # SentencePiece decoding drops the "▁" it put before the text (HF's Strip decoder).
+        self._strip_first_space = not byte_level and b'"Strip"' in (backend.decoder.__getstate__() or b"")
         # Every token's bytes in one buffer, token i at [offsets[i], offsets[i + 1]): a bytes
         # object per token cost ~2.5 MB for a 49k vocabulary, this ~0.5 MB.
         pieces = bytearray()
         self._offsets = array.array("I", [0])
+        piece_bytes = _byte_level_bytes if byte_level else _sentencepiece_bytes
         for token_id in range(self.vocab_size):
             piece = backend.id_to_token(token_id) or ""
-            if piece in special or not all(ch in byte_of for ch in piece):
-                pieces += piece.encode("utf-8")
-            else:
-                pieces += bytes(byte_of[ch] for ch in piece)
+            pieces += piece.encode("utf-8") if piece in special else piece_bytes(piece)
             self._offsets.append(len(pieces))
         self._pieces = bytes(pieces)
         self.special_ids = frozenset(backend.token_to_id(t) for t in special)
         self._template = None
-
-    @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
-        model_type = meta.get("ggml.model")
-        if model_type != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {model_type!r}; edgeinfer reads 'gpt2' (byte-level BPE)"
-            )
-        tokens: list[str] = list(meta["ggml.tokens"])
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("ggml.merges", [])]
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _pre_tokenizer(meta.get("ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        types = list(meta.get("ggml.token_type") or [])
-        control = [tokens[i] for i, t in enumerate(types) if t == CONTROL_TOKEN_TYPE]
-        user = [tokens[i] for i, t in enumerate(types) if t == USER_DEFINED_TOKEN_TYPE]
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-        if user:
-            backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-        return cls(
-            backend,
-            bos_token_id=meta.get("ggml.bos_token_id"),
-            eos_token_id=meta.get("ggml.eos_token_id"),
-            add_bos=bool(meta.get("ggml.add_bos_token", False)),
-            chat_template=meta.get("chat_template"),
-        )
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -137,22 +129,40 @@ class Tokenizer:
                 value = value.get("content")
             return None if value is None else backend.token_to_id(value)
 
+        generation: dict[str, Any] = {}
+        if (folder / "generation_config.json").is_file():
+            generation = json.loads((folder / "generation_config.json").read_text())
+        eos = generation.get("eos_token_id")
+        bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
+        # Without add_bos_token / add_eos_token in the config, the tokenizer class decides; the
+        # tokenizer.json's post-processor says what that class adds (Llama 3's adds BOS).
+        with_specials = backend.encode("", add_special_tokens=True).ids
+        decoder = backend.decoder.__getstate__() if backend.decoder is not None else b""
         return cls(
             backend,
-            bos_token_id=token_id("bos_token"),
-            eos_token_id=token_id("eos_token"),
-            add_bos=bool(config.get("add_bos_token", False)),
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            add_bos=bool(config.get("add_bos_token", bos_id is not None and bos_id in with_specials[:1])),
+            add_eos=bool(config.get("add_eos_token", eos_id is not None and eos_id in with_specials[-1:])),
             chat_template=template,
+            stop_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            byte_level=not decoder or decoder.startswith(b'{"type":"ByteLevel"'),
+            sampling_defaults=generation_sampling_defaults(generation),
         )
 
     def save(self, folder: str | Path) -> None:
-        """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into ``folder``."""
+        """Write tokenizer.json, tokenizer_config.json, generation_config.json (stop ids, sampling
+        defaults) and chat_template.jinja into ``folder``."""
         folder = Path(folder)
         self.backend.save(str(folder / "tokenizer.json"))
         name = lambda i: None if i is None else self.backend.id_to_token(i)  # noqa: E731
         config = {"bos_token": name(self.bos_token_id), "eos_token": name(self.eos_token_id),
-                  "add_bos_token": self.add_bos}
+                  "add_bos_token": self.add_bos, "add_eos_token": self.add_eos}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        generation = {**self.sampling_defaults, "eos_token_id": list(self.stop_token_ids)}
+        if self.sampling_defaults:
+            generation["do_sample"] = True
+        (folder / "generation_config.json").write_text(json.dumps(generation, indent=1))
         if self.chat_template:
             (folder / "chat_template.jinja").write_text(self.chat_template)
 
@@ -160,10 +170,13 @@ class Tokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
+        if add_special and self.add_eos and self.eos_token_id is not None:
+            ids = [*ids, self.eos_token_id]
         return ids
 
     def decode(self, token_ids: list[int], skip_special: bool = True) -> str:
-        return self.token_bytes(token_ids, skip_special).decode("utf-8", errors="replace")
+        text = self.token_bytes(token_ids, skip_special).decode("utf-8", errors="replace")
+        return text.removeprefix(" ") if self._strip_first_space else text
 
     def token_bytes(self, token_ids: list[int], skip_special: bool = True) -> bytes:
         pieces, offsets = self._pieces, self._offsets

@@ -113,3 +113,19 @@ def test_vocab_check():
     with pytest.raises(InvalidParams, match="top_k.*100.*got 101"):
         SamplingParams(top_k=101).check_vocab(100)
     SamplingParams(top_k=100).check_vocab(100)
+
+
+def test_model_defaults_fill_only_what_the_client_left_unset() -> None:
+    """generation_config.json's sampling fields apply where a request sets none; explicit wins."""
+    from edgeinfer.core.sampling_params import given_fields, with_model_defaults
+
+    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 9}
+    data = {"temperature": 1.0, "top_k": None, "max_tokens": 5}
+    params = SamplingParams.from_dict(data)
+    assert given_fields(data) == {"temperature", "max_tokens"}
+    filled = with_model_defaults(params, given_fields(data), defaults)
+    assert (filled.temperature, filled.top_p, filled.top_k, filled.repetition_penalty, filled.max_tokens) == (
+        1.0, 0.8, 20, 1.05, 5)
+    assert with_model_defaults(params, frozenset(SamplingParams.__dataclass_fields__), defaults) == params
+    beams = SamplingParams(temperature=0.0, beam_width=2)
+    assert with_model_defaults(beams, frozenset(), defaults) == beams  # beams sample nothing

@@ -189,3 +189,23 @@ async def test_model_that_keeps_failing_fails_its_requests_then_the_engine() -> 
         assert isinstance(results[rid][-1], Error) and results[rid][-1].code == INTERNAL, results[rid][-1]
         assert "boom in the model" in results[rid][-1].message
         assert sum(isinstance(e, (Error, Finished)) for e in results[rid]) == 1
+
+
+async def test_the_models_sampling_defaults_fill_what_a_client_left_unset() -> None:
+    """generation_config.json says greedy: a client request that sets no temperature decodes
+    greedily; one that sets it samples at its own; a tool's request (params_given None) is as built."""
+    tokenizer = FakeTokenizer()
+    tokenizer.sampling_defaults = {"temperature": 0.0}
+    hot = SamplingParams(temperature=100.0, max_tokens=8, seed=3)
+    with anyio.fail_after(10):
+        async with Engine.from_runner(FakeRunner(num_blocks=16), tokenizer, CONFIG,
+                                      SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8)) as engine:
+            def tokens(events: list) -> list[int]:
+                return [t for e in events if isinstance(e, Token) for t in e.token_ids]
+
+            unset = await collect(engine, GenerateRequest("a", prompt="hello", params=hot, params_given=frozenset()))
+            assert tokens(unset) == expected_tokens(tokenizer.encode("hello"), 8)
+            own = await collect(engine, GenerateRequest("b", prompt="hello", params=hot,
+                                                        params_given=frozenset({"temperature"})))
+            tool = await collect(engine, GenerateRequest("c", prompt="hello", params=hot))
+            assert tokens(own) == tokens(tool) != tokens(unset)

@@ -1,29 +1,11 @@
 """Tokenizer parity with the HF tokenizer transformers builds from the same GGUF."""
 
 import copy
-import random
 
 import pytest
+from tokenizer_fixtures import corpus as _corpus
 
 from edgeinfer.models.tokenizer import Tokenizer
-
-
-def _corpus() -> list[str]:
-    rng = random.Random(1234)
-    fixed = [
-        "", " ", "Hello world", "  leading and trailing  ", "tabs\tand\nnewlines\r\n\n", "   \n\n   ",
-        "12345 and 3.14159 and 1,000,000", "émoji 😀🎉👩‍👩‍👧 done", "中文，日本語のテキスト、한국어",
-        "def f(x):\n    return x ** 2  # square\n", "<|im_start|>user\nhi<|im_end|>", "don't I'll we've",
-        "ÀÉÎÕÜ ß ø æ", "\u200b zero width", "a" * 300, "The quick brown fox jumps over the lazy dog.",
-        "{\"json\": [1, 2, {\"k\": null}]}", "<b>html</b> &amp; entities", "naïve café résumé",
-        "mixed\u00a0nbsp", "🙂" * 10, "x = [i for i in range(10) if i % 2]",
-    ]
-    alphabet = list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,;:!?'\"-_()[]{}\n\t") + [
-        "é", "ñ", "中", "😀", "🎉", "ß", "\u00a0", "  ", "    ", "<|im_end|>"]
-    no_digits = [ch for ch in alphabet if not any(c.isdigit() for c in ch)]
-    randoms = ["".join(rng.choice(pool) for _ in range(rng.randint(1, 60)))
-               for pool in (alphabet, no_digits) for _ in range(180)]
-    return fixed + randoms
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +77,11 @@ def test_incremental_detokenizer_never_emits_half_a_character(tokenizer: Tokeniz
     assert all("\ufffd" not in p for p in pieces)
     # At least one emoji spans several byte-level tokens, so some pushes must return "".
     assert "" in pieces[:-1]
+
+
+def test_stop_ids_of_the_default_model(loaded_model) -> None:
+    """The file names EOS <|im_end|>; <|endoftext|> also ends SmolLM2's generation (llama.cpp's
+    end-of-generation list), and the engine's config carries the same set (read_config)."""
+    tok = loaded_model.tokenizer
+    ids = (tok.backend.token_to_id("<|im_end|>"), tok.backend.token_to_id("<|endoftext|>"))
+    assert tok.stop_token_ids == loaded_model.config.eos_token_ids == ids

@@ -136,6 +136,7 @@ def test_round_trip_every_format(tmp_path: Path) -> None:
     dst = _save(tmp_path / "ckpt", weights)
     assert sorted(p.name for p in dst.iterdir()) == [
         "config.json",
+        "generation_config.json",  # the stop ids and sampling defaults (Tokenizer.save)
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",

@@ -205,3 +205,11 @@ def test_any_bytes_parse_or_raise_protocol_error(data):
     except wire.ProtocolError as exc:
         assert exc.code in (wire.BAD_FRAME, wire.INVALID_MESSAGE, wire.UNKNOWN_TYPE, wire.UNKNOWN_FIELD,
                             wire.UNSUPPORTED_VERSION, "invalid_params")
+
+
+def test_generate_and_chat_name_the_params_the_client_set() -> None:
+    """So the engine can fill the rest from the model's generation_config.json."""
+    frame = {"type": "generate", "id": "a", "prompt": "hi", "params": {"temperature": 0.5, "top_p": None}}
+    assert wire.parse_frame(json.dumps(frame), 1 << 20).params_given == {"temperature"}
+    chat = {"type": "chat", "id": "b", "messages": [{"role": "user", "content": "hi"}]}
+    assert wire.parse_frame(json.dumps(chat), 1 << 20).params_given == frozenset()
