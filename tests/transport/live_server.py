@@ -88,7 +88,8 @@ async def http_get(port: int, path: str, host: str | None = None) -> tuple[int, 
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
+    # Header names are case-insensitive (uvicorn sends them in lower case): keyed here as "Content-Type".
+    headers = {name.title(): value for name, value in (line.split(": ", 1) for line in lines[1:])}
     return int(lines[0].split()[1]), headers, body
 
 

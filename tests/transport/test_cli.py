@@ -1,6 +1,8 @@
 """The README's commands: generate answers, bench reports its fields."""
 
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -98,3 +100,15 @@ def test_kv_memory_budget(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "generate", "hi", "--kv-memory", "1GB"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unrecognized arguments: --kv-memory" in result.stderr, result.stderr
+
+
+def test_serve_on_a_busy_port_fails_naming_it_before_loading_the_model(default_model_path, tmp_path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        env = {**os.environ, "EDGEINFER_CONFIG_DIR": str(tmp_path)}
+        result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--port", str(port),
+                                 "--model", str(default_model_path), "-v"],
+                                capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "loading" not in result.stderr  # it failed before the model load began
