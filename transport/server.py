@@ -8,8 +8,9 @@ slow reader can neither stall the engine nor other clients: when its outbox is f
 is closed (which frees its KV blocks in the engine) and answered with `slow_reader`. Closing a
 request's event stream is the only way a request is cancelled: on `cancel`, on disconnect and
 on shutdown alike. HTTP routes: `/healthz` (the engine's health: 200, or 503 with the reason),
-`/metrics` (transport.metrics) and the chat page at `/`. Every request, HTTP or websocket, must
-name this server in its Host header (transport.auth), checked before routing. uvicorn runs with
+`/metrics` (transport.metrics), the chat page at `/` and the OpenAI API (transport.openai_api).
+Every request, HTTP or websocket, must name this server in its Host header (transport.auth),
+checked before routing. uvicorn runs with
 the websockets library as its websocket implementation and without its own signal handlers: the
 process (transport.service) owns SIGTERM and drains through `Server.drain`.
 
@@ -45,6 +46,7 @@ from starlette.websockets import WebSocket
 from transport import auth
 from transport.connection import Connection, stats_dict
 from transport.metrics import CONTENT_TYPE, ServerMetrics
+from transport.openai_api import OpenAIApi
 from transport.server_config import CLOSE_GOING_AWAY, HARD_FRAME_FACTOR, EngineLike, ServerConfig
 from transport.websocket import AsgiWebSocket
 
@@ -93,15 +95,17 @@ class Server:
         self.counters: Counter[str] = Counter()  # monotonically increasing, for /metrics
         self.metrics = ServerMetrics(self.counters, self._gauges, lambda: stats_dict(self.engine.stats()))
         self.draining = False
+        self.openai = OpenAIApi(self)
         self.app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, routes=[
             Route("/healthz", self._healthz), Route("/metrics", self._metrics),
             Route("/", self._page), Route("/index.html", self._page), WebSocketRoute("/ws", self._websocket),
+            *self.openai.routes(),
         ], exception_handlers={404: _not_found})
         self._sock = sock
         self._uvicorn: _Uvicorn | None = None
         self._serving: asyncio.Task[None] | None = None
         self._port = 0
-        self._hosts: frozenset[str] = frozenset()
+        self.allowed_hosts: frozenset[str] = frozenset()  # Host header values naming this server
         self._ids = itertools.count(1)
         self._page_bytes = resources.files("transport").joinpath("static/chat.html").read_bytes()
 
@@ -118,7 +122,7 @@ class Server:
         cfg = self.config
         sock = self._sock or bind_socket(cfg.host, cfg.port)
         self._port = sock.getsockname()[1]
-        self._hosts = auth.allowed_hosts(cfg.host, self._port)
+        self.allowed_hosts = auth.allowed_hosts(cfg.host, self._port)
         self._uvicorn = _Uvicorn(uvicorn.Config(
             self._check_host, interface="asgi3", ws="websockets", ws_max_size=cfg.max_frame_bytes * HARD_FRAME_FACTOR,
             ws_max_queue=32, ws_per_message_deflate=False, lifespan="off", log_config=None,
@@ -157,7 +161,7 @@ class Server:
         await self.drain()
 
     def num_active_requests(self) -> int:
-        return sum(len(c.requests) for c in self.connections)
+        return sum(len(c.requests) for c in self.connections) + self.openai.in_flight
 
     def _gauges(self) -> dict[str, float]:
         return {"connections": len(self.connections), "active_requests": self.num_active_requests()}
@@ -167,7 +171,7 @@ class Server:
     async def _check_host(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app uvicorn serves: the Host check (DNS rebinding) in front of every route."""
         if scope["type"] in ("http", "websocket") and not auth.host_allowed(Headers(scope=scope).get("host"),
-                                                                            self._hosts):
+                                                                            self.allowed_hosts):
             self.counters["refused_host"] += 1
             refusal = PlainTextResponse("Host header does not name this server\n", 403)
             if scope["type"] == "http":
@@ -193,7 +197,8 @@ class Server:
 
     def _handshake_refusal(self, websocket: WebSocket) -> Response | None:
         origin = websocket.headers.get("origin")
-        if not auth.origin_allowed(origin, websocket.headers.get("host"), self._hosts, self.config.allowed_origins):
+        host = websocket.headers.get("host")
+        if not auth.origin_allowed(origin, host, self.allowed_hosts, self.config.allowed_origins):
             self.counters["refused_origin"] += 1
             return PlainTextResponse("Origin is not this server's page\n", 403)
         given = _handshake_token(websocket)
