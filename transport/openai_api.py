@@ -240,7 +240,8 @@ class OpenAIApi:
                     break
                 if isinstance(event, Token) and (event.text or reply.logprobs):
                     index = prompt_index * reply.n + event.index
-                    logprobs = _logprobs(reply.chat, event.logprobs or (), tokenizer, 0) if tokenizer else None
+                    offset = sum(len(t) for t in choices[index].text) - len(event.text)  # text before this chunk
+                    logprobs = _logprobs(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
                     delta = {"delta": {"content": event.text}} if reply.chat else {"text": event.text}
                     yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs, "finish_reason": None}])
                 for index in ended:

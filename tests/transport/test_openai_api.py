@@ -96,6 +96,13 @@ def test_completions_list_prompts_n_and_logprobs(live: LiveServer) -> None:
     by_ids = client.completions.create(model=MODEL, prompt=ids["tokens"], max_tokens=4, temperature=0)
     by_text = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
+    greedy = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=1)
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
+                                                              temperature=0, logprobs=1, stream=True)]
+    assert "".join(c.text for c in chunks) == greedy.choices[0].text
+    streamed = [c.logprobs for c in chunks if c.logprobs]
+    assert sum((lp.tokens for lp in streamed), []) == greedy.choices[0].logprobs.tokens
+    assert sum((lp.text_offset for lp in streamed), []) == greedy.choices[0].logprobs.text_offset
 
 
 def test_chat_logprobs_in_the_content_shape(live: LiveServer) -> None:
