@@ -13,14 +13,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Protocol
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-
 from edgeinfer.core.events import SLOW_READER, Accepted, Error, Event, Finished, RequestError, Token
 from edgeinfer.core.request import GenerateRequest
 from transport import auth
 from transport import protocol as wire
+from transport.metrics import ServerMetrics
 from transport.server_config import CLOSE_POLICY, EngineLike, ServerConfig
+from transport.websocket import PeerClosed, WebSocketPeer
 
 log = logging.getLogger("edgeinfer.server")
 
@@ -33,6 +32,7 @@ class ServerSide(Protocol):
     counters: Counter[str]
     model_name: str
     draining: bool
+    metrics: ServerMetrics
 
 
 def stats_dict(stats: Any) -> dict[str, Any]:
@@ -86,7 +86,7 @@ class RequestState:
 
 
 class Connection:
-    def __init__(self, server: ServerSide, ws: ServerConnection, number: int, handshake_auth: bool) -> None:
+    def __init__(self, server: ServerSide, ws: WebSocketPeer, number: int, handshake_auth: bool) -> None:
         self.server = server
         self.config = server.config
         self.ws = ws
@@ -101,9 +101,9 @@ class Connection:
         writer = asyncio.create_task(self._write_loop())
         try:
             if await self._hello():
-                async for frame in self.ws:
-                    self._on_frame(frame)
-        except ConnectionClosed:
+                while True:
+                    self._on_frame(await self.ws.recv())
+        except PeerClosed:
             pass
         finally:
             tasks = [r.task for r in self.requests.values() if r.task is not None]
@@ -121,7 +121,7 @@ class Connection:
             await asyncio.sleep(0.01)
 
     async def _write_loop(self) -> None:
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(PeerClosed):
             while True:
                 await self.ws.send(await self.outbox.get())
 
@@ -167,7 +167,7 @@ class Connection:
 
     async def _refuse(self, code: str, message: str, binary: bool) -> None:
         self.server.counters[f"error:{code}"] += 1
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(PeerClosed):
             await self.ws.send(wire.encode(wire.error_to_wire(code, message), binary))
             await self.ws.close(CLOSE_POLICY, code)
 
@@ -260,6 +260,8 @@ class Connection:
             state.state, state.queue_position = "running", 0
             state.completion_tokens += len(event.token_ids)
             self.server.counters["tokens_streamed"] += len(event.token_ids)
+        if isinstance(event, Finished):
+            self.server.metrics.observe(event.usage)
         if isinstance(event, (Finished, Error)):
             self._end(client_id, state, wire.event_to_wire(event, client_id),
                       event.code if isinstance(event, Error) else None)

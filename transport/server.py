@@ -1,4 +1,5 @@
-"""The websocket server: connections, multiplexed request streams, limits, HTTP side routes.
+"""The server: an ASGI app served by uvicorn in-process, with the edgeinfer/1 websocket at `/ws`
+(connections, multiplexed request streams, limits) and HTTP routes on the same port.
 
 One `Server` serves one engine. Each connection is a `Connection` that alone writes its state
 (its requests, its outbox); each request is a pump task that reads the engine's event stream
@@ -6,9 +7,12 @@ and puts frames into the connection's bounded outbox without ever waiting on the
 slow reader can neither stall the engine nor other clients: when its outbox is full the request
 is closed (which frees its KV blocks in the engine) and answered with `slow_reader`. Closing a
 request's event stream is the only way a request is cancelled: on `cancel`, on disconnect and
-on shutdown alike. Plain HTTP on the same port (websockets' process_request hook): `/healthz`
-(the engine's health: 200, or 503 with the reason), `/metrics` (Prometheus text) and the chat
-page at `/`.
+on shutdown alike. HTTP routes: `/healthz` (the engine's health: 200, or 503 with the reason),
+`/metrics` (transport.metrics), the chat page at `/` and the OpenAI API (transport.openai_api).
+Every request, HTTP or websocket, must name this server in its Host header (transport.auth),
+checked before routing. uvicorn runs with
+the websockets library as its websocket implementation and without its own signal handlers: the
+process (transport.service) owns SIGTERM and drains through `Server.drain`.
 
 A request's life cycle (docs/PROTOCOL.md), enforced here and only here: its first frame is
 `accepted` or a terminal `error`; tokens follow `accepted`; exactly one terminal frame (`done` or
@@ -21,44 +25,94 @@ request cancelled a millisecond after it was sent gets `accepted`, then `done` (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import socket
 import time
 from collections import Counter
-from http import HTTPStatus
+from collections.abc import Iterator
 from importlib import resources
-from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import Server as WsServer
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+import uvicorn
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from transport import auth
 from transport.connection import Connection, stats_dict
+from transport.metrics import CONTENT_TYPE, ServerMetrics
+from transport.openai_api import OpenAIApi
 from transport.server_config import CLOSE_GOING_AWAY, HARD_FRAME_FACTOR, EngineLike, ServerConfig
+from transport.websocket import AsgiWebSocket
 
 log = logging.getLogger("edgeinfer.server")
+
+# The page holds no secret (the token travels in the URL fragment), but it must not be framed
+# (clickjacking) nor load anything from elsewhere.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+}
+# In-flight HTTP responses still open this long after the drain are cancelled (their streams closed).
+_HTTP_SHUTDOWN_GRACE_S = 1.0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: the service owns SIGTERM/SIGINT and calls `drain`."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket; an OSError naming the address when it cannot be had (port in use)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host.strip("[]"), port), family=family)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror} "
+                      "(another server there? choose another --port)") from exc
+
 
 class Server:
     """`async with Server(engine, config) as server:` listens until the block ends or `drain()`."""
 
-    def __init__(self, engine: EngineLike, config: ServerConfig, model_name: str = "") -> None:
+    def __init__(self, engine: EngineLike, config: ServerConfig, model_name: str = "",
+                 sock: socket.socket | None = None) -> None:
+        """sock: a socket already bound to config's address (the service binds before loading the model)."""
         self.engine = engine
         self.config = config
         self.model_name = model_name
         self.connections: set[Connection] = set()
         self.counters: Counter[str] = Counter()  # monotonically increasing, for /metrics
+        self.metrics = ServerMetrics(self.counters, self._gauges, lambda: stats_dict(self.engine.stats()))
         self.draining = False
-        self._ws: WsServer | None = None
-        self._hosts: frozenset[str] = frozenset()
+        self.openai = OpenAIApi(self)
+        self.app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, routes=[
+            Route("/healthz", self._healthz), Route("/metrics", self._metrics),
+            Route("/", self._page), Route("/index.html", self._page), WebSocketRoute("/ws", self._websocket),
+            *self.openai.routes(),
+        ], exception_handlers={404: _not_found})
+        self._sock = sock
+        self._uvicorn: _Uvicorn | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._port = 0
+        self.allowed_hosts: frozenset[str] = frozenset()  # Host header values naming this server
         self._ids = itertools.count(1)
-        self._page = resources.files("transport").joinpath("static/chat.html").read_bytes()
+        self._page_bytes = resources.files("transport").joinpath("static/chat.html").read_bytes()
 
     @property
     def port(self) -> int:
-        assert self._ws is not None, "server not started"
-        return self._ws.sockets[0].getsockname()[1]
+        assert self._port, "server not started"
+        return self._port
 
     @property
     def url(self) -> str:
@@ -66,11 +120,20 @@ class Server:
 
     async def __aenter__(self) -> Server:
         cfg = self.config
-        self._ws = await serve(
-            self._handle, cfg.host, cfg.port, process_request=self._process_request,
-            max_size=cfg.max_frame_bytes * HARD_FRAME_FACTOR, compression=None, server_header="edgeinfer",
-            max_queue=32, logger=logging.getLogger("edgeinfer.server.ws"))
-        self._hosts = auth.allowed_hosts(cfg.host, self.port)
+        sock = self._sock or bind_socket(cfg.host, cfg.port)
+        self._port = sock.getsockname()[1]
+        self.allowed_hosts = auth.allowed_hosts(cfg.host, self._port)
+        self._uvicorn = _Uvicorn(uvicorn.Config(
+            self._check_host, interface="asgi3", ws="websockets", ws_max_size=cfg.max_frame_bytes * HARD_FRAME_FACTOR,
+            ws_max_queue=32, ws_per_message_deflate=False, lifespan="off", log_config=None,
+            access_log=False, server_header=False, headers=[("server", "edgeinfer")],
+            timeout_graceful_shutdown=_HTTP_SHUTDOWN_GRACE_S))
+        self._serving = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._serving.done():
+                self._serving.result()  # raises what failed the start
+                raise RuntimeError("uvicorn stopped before it started")
+            await asyncio.sleep(0.005)
         log.info("listening on %s (page http://%s:%d/)", self.url, cfg.host, self.port)
         return self
 
@@ -79,118 +142,97 @@ class Server:
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stop accepting, let in-flight requests finish for up to timeout_s, then close everything."""
-        if self._ws is None:
+        if self._uvicorn is None or self._serving is None:
             return
         self.draining = True
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        self._ws.server.close()  # the asyncio server: stop listening; open connections carry on
+        for listener in self._uvicorn.servers:
+            listener.close()  # stop listening; open connections carry on
         deadline = time.monotonic() + timeout_s
-        while any(c.requests for c in self.connections) and time.monotonic() < deadline:
+        while self.num_active_requests() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self._ws.close(close_connections=True, code=CLOSE_GOING_AWAY, reason="server shutting down")
-        await self._ws.wait_closed()
-        self._ws = None
+        await asyncio.gather(*(c.ws.close(CLOSE_GOING_AWAY, "server shutting down") for c in list(self.connections)))
+        self._uvicorn.should_exit = True
+        await self._serving
+        self._uvicorn = self._serving = None
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         await stop.wait()
         await self.drain()
 
+    def num_active_requests(self) -> int:
+        return sum(len(c.requests) for c in self.connections) + self.openai.in_flight
+
+    def _gauges(self) -> dict[str, float]:
+        return {"connections": len(self.connections), "active_requests": self.num_active_requests()}
+
     # ---- HTTP side ------------------------------------------------------------------------
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = urlsplit(request.path).path
-        host = request.headers.get("Host")
-        if not auth.host_allowed(host, self._hosts):
+    async def _check_host(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app uvicorn serves: the Host check (DNS rebinding) in front of every route."""
+        if scope["type"] in ("http", "websocket") and not auth.host_allowed(Headers(scope=scope).get("host"),
+                                                                            self.allowed_hosts):
             self.counters["refused_host"] += 1
-            return connection.respond(HTTPStatus.FORBIDDEN, "Host header does not name this server\n")
-        if path == "/healthz":
-            health = self.engine.health()
-            if health.ok:
-                return connection.respond(HTTPStatus.OK, "ok\n")
-            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{health.status}: {health.reason}\n")
-        if path == "/metrics":
-            response = connection.respond(HTTPStatus.OK, self.metrics_text())
-            _set_header(response.headers, "Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            return response
-        if path in ("/", "/index.html"):
-            return self._page_response(connection)
-        if path != "/ws":
-            return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
-        origin = request.headers.get("Origin")
-        if not auth.origin_allowed(origin, host, self._hosts, self.config.allowed_origins):
-            self.counters["refused_origin"] += 1
-            return connection.respond(HTTPStatus.FORBIDDEN, "Origin is not this server's page\n")
-        given = _handshake_token(request)
-        if given is not None and not auth.token_matches(given, self.config.token):
-            self.counters["refused_token"] += 1
-            return connection.respond(HTTPStatus.UNAUTHORIZED, "wrong token\n")
-        if self.draining:
-            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "server shutting down\n")
-        if len(self.connections) >= self.config.max_connections:
-            self.counters["refused_connections"] += 1
-            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE,
-                                      f"connection limit reached ({self.config.max_connections})\n")
-        return None
+            refusal = PlainTextResponse("Host header does not name this server\n", 403)
+            if scope["type"] == "http":
+                await refusal(scope, receive, send)
+            else:
+                await WebSocket(scope, receive, send).send_denial_response(refusal)
+            return
+        await self.app(scope, receive, send)
 
-    def _page_response(self, connection: ServerConnection) -> Response:
-        response = connection.respond(HTTPStatus.OK, "")
-        response.body = self._page
-        headers = response.headers
-        _set_header(headers, "Content-Type", "text/html; charset=utf-8")
-        _set_header(headers, "Content-Length", str(len(self._page)))
-        # The page holds no secret (the token travels in the URL fragment), but it must not be framed
-        # (clickjacking) nor load anything from elsewhere.
-        _set_header(headers, "Content-Security-Policy", "default-src 'none'; script-src 'unsafe-inline'; "
-                    "style-src 'unsafe-inline'; connect-src 'self'; img-src data:; frame-ancestors 'none'; "
-                    "base-uri 'none'; form-action 'none'")
-        _set_header(headers, "X-Frame-Options", "DENY")
-        _set_header(headers, "Referrer-Policy", "no-referrer")
-        _set_header(headers, "Cache-Control", "no-store")
-        _set_header(headers, "X-Content-Type-Options", "nosniff")
-        return response
+    async def _healthz(self, request: Request) -> Response:
+        health = self.engine.health()
+        if health.ok:
+            return PlainTextResponse("ok\n")
+        return PlainTextResponse(f"{health.status}: {health.reason}\n", 503)
 
-    def metrics_text(self) -> str:
-        lines = [
-            "# TYPE edgeinfer_connections gauge", f"edgeinfer_connections {len(self.connections)}",
-            "# TYPE edgeinfer_active_requests gauge",
-            f"edgeinfer_active_requests {sum(len(c.requests) for c in self.connections)}",
-        ]
-        for name in sorted(k for k in self.counters if not k.startswith("error:")):
-            lines += [f"# TYPE edgeinfer_{name}_total counter",
-                      f"edgeinfer_{name}_total {self.counters[name]}"]
-        lines.append("# TYPE edgeinfer_errors_total counter")
-        for key in sorted(k for k in self.counters if k.startswith("error:")):
-            lines.append(f'edgeinfer_errors_total{{code="{key[6:]}"}} {self.counters[key]}')
-        for name, value in sorted(stats_dict(self.engine.stats()).items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                lines += [f"# TYPE edgeinfer_engine_{name} gauge", f"edgeinfer_engine_{name} {value}"]
-        return "\n".join(lines) + "\n"
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+    async def _page(self, request: Request) -> Response:
+        return Response(self._page_bytes, media_type="text/html", headers=_PAGE_HEADERS)
 
     # ---- websocket side -------------------------------------------------------------------
 
-    async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(self, ws, next(self._ids), _handshake_token(ws.request) is not None)
-        self.connections.add(conn)
+    def _handshake_refusal(self, websocket: WebSocket) -> Response | None:
+        origin = websocket.headers.get("origin")
+        host = websocket.headers.get("host")
+        if not auth.origin_allowed(origin, host, self.allowed_hosts, self.config.allowed_origins):
+            self.counters["refused_origin"] += 1
+            return PlainTextResponse("Origin is not this server's page\n", 403)
+        given = _handshake_token(websocket)
+        if given is not None and not auth.token_matches(given, self.config.token):
+            self.counters["refused_token"] += 1
+            return PlainTextResponse("wrong token\n", 401)
+        if self.draining:
+            return PlainTextResponse("server shutting down\n", 503)
+        if len(self.connections) >= self.config.max_connections:
+            self.counters["refused_connections"] += 1
+            return PlainTextResponse(f"connection limit reached ({self.config.max_connections})\n", 503)
+        return None
+
+    async def _websocket(self, websocket: WebSocket) -> None:
+        refusal = self._handshake_refusal(websocket)
+        if refusal is not None:
+            await websocket.send_denial_response(refusal)
+            return
+        conn = Connection(self, AsgiWebSocket(websocket), next(self._ids), _handshake_token(websocket) is not None)
+        self.connections.add(conn)  # before accept's await, so concurrent handshakes see the limit
         self.counters["connections"] += 1
         try:
+            await websocket.accept()
             await conn.run()
         finally:
             self.connections.discard(conn)
 
 
-def _set_header(headers: Headers, name: str, value: str) -> None:
-    if name in headers:
-        del headers[name]  # Headers is a multidict: replace, don't add a second value
-    headers[name] = value
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return PlainTextResponse("not found\n", 404)
 
 
-def _handshake_token(request: Request | None) -> str | None:
-    if request is None:
-        return None
-    bearer = request.headers.get("Authorization", "")
+def _handshake_token(websocket: WebSocket) -> str | None:
+    bearer = websocket.headers.get("authorization", "")
     if bearer.lower().startswith("bearer "):
         return bearer[7:].strip()
-    values = parse_qs(urlsplit(request.path).query).get("token")
-    return values[0] if values else None
-
-
+    return websocket.query_params.get("token")

@@ -20,7 +20,7 @@ from typing import Any
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from transport import auth, daemon
-from transport.server import Server, ServerConfig
+from transport.server import Server, ServerConfig, bind_socket
 
 log = logging.getLogger("edgeinfer.service")
 
@@ -54,10 +54,12 @@ async def run_service(config: ServiceConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        # Bound before the model loads (which takes a while), so a port in use fails at once, naming it.
+        sock = bind_socket(config.server.host, config.server.port)
         log.info("loading %s", config.model_path)
         async with open_engine(config.model_path, config.runtime, config.scheduler,
                                config.draft_model_path) as (engine, name):
-            async with Server(engine, config.server, name) as server:
+            async with Server(engine, config.server, name, sock) as server:
                 if state_dir is not None:
                     daemon.write_state(state_dir, daemon.DaemonState(
                         pid=os.getpid(), host=config.server.host, port=server.port, model=name))

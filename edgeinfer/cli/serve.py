@@ -50,8 +50,8 @@ def serve_main(argv: list[str]) -> int:
     return_large_frees_to_the_os()  # also when the daemon starts this module directly
     logging.basicConfig(level=logging.INFO if args.verbose or args.daemon_state else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # websockets logs every HTTP response and close at INFO
-        logging.getLogger("edgeinfer.server.ws").setLevel(logging.WARNING)
+    if not args.verbose:  # uvicorn logs its start, every close and its shutdown steps at INFO
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     try:
         server = ServerConfig(token=auth.load_or_create_token(), host=args.host, port=args.port,
                               max_connections=args.max_connections,

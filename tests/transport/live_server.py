@@ -26,12 +26,13 @@ TOKEN = "test-token-0123456789abcdef"
 class LiveServer:
     """`LiveServer(open_engine)`: open_engine() is an async context manager yielding an engine."""
 
-    def __init__(self, open_engine: Any, **config: Any) -> None:
+    def __init__(self, open_engine: Any, model_name: str = "", **config: Any) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="live-server", daemon=True)
         self._thread.start()
         self._open_engine = open_engine
         self._config = config
+        self.model_name = model_name
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._main = asyncio.run_coroutine_threadsafe(self._serve(), self.loop)
@@ -44,7 +45,7 @@ class LiveServer:
         self._stop = asyncio.Event()
         async with self._open_engine() as engine:
             self.engine = engine
-            async with Server(engine, ServerConfig(token=TOKEN, port=0, **self._config)) as server:
+            async with Server(engine, ServerConfig(token=TOKEN, port=0, **self._config), self.model_name) as server:
                 self.server = server
                 self.port = server.port
                 self._ready.set()
@@ -88,7 +89,8 @@ async def http_get(port: int, path: str, host: str | None = None) -> tuple[int, 
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
+    # Header names are case-insensitive (uvicorn sends them in lower case): keyed here as "Content-Type".
+    headers = {name.title(): value for name, value in (line.split(": ", 1) for line in lines[1:])}
     return int(lines[0].split()[1]), headers, body
 
 

@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -122,3 +124,15 @@ def test_every_option_explains_itself() -> None:
 def test_num_results_without_beam_search_is_refused(default_model_path) -> None:
     result = _edgeinfer("generate", "hi", "--num-results", "3", model=default_model_path)
     assert result.returncode == 2 and "--num-results" in result.stderr and "--beam-width" in result.stderr
+
+
+def test_serve_on_a_busy_port_fails_naming_it_before_loading_the_model(default_model_path, tmp_path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        env = {**os.environ, "EDGEINFER_CONFIG_DIR": str(tmp_path)}
+        result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--port", str(port),
+                                 "--model", str(default_model_path), "-v"],
+                                capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "loading" not in result.stderr  # it failed before the model load began

@@ -1,0 +1,373 @@
+"""The OpenAI-compatible HTTP API on the server's port: /v1/models, /v1/chat/completions,
+/v1/completions, /tokenize and /detokenize (transport.openai_schema holds the request models).
+
+Each completion request becomes one engine request per prompt (n choices each), answered in
+OpenAI's shapes, whole or as server-sent events. The engine's first event (accepted or an error)
+is awaited before answering, so refusals (overloaded, prompt too long) get their HTTP status even
+when streaming. Closing a request's event stream is its cancellation, as on the websocket: a
+client that disconnects mid-stream closes the SSE generator (Starlette watches for the
+disconnect), which closes every engine stream it holds, freeing their KV blocks. `OpenAIApi`
+alone writes its in-flight count, which the server's drain waits on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgeinfer.core.events import (
+    ENGINE_CLOSED,
+    INTERNAL,
+    INVALID_PARAMS,
+    OVERLOADED,
+    PROMPT_TOO_LONG,
+    Error,
+    Event,
+    Finished,
+    RequestError,
+    Token,
+    TokenLogprob,
+    Usage,
+)
+from edgeinfer.core.request import GenerateRequest
+from transport import auth
+from transport.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+    chat_messages,
+    completion_prompts,
+    invalid,
+    parse,
+    sampling_params,
+)
+
+_FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+@dataclass
+class _Choice:
+    """One choice's text and logprobs as they stream in, and how it ended."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Reply:
+    """What one API request is answering: its id, shape, model name and options."""
+
+    chat: bool
+    model: str
+    n: int
+    logprobs: bool
+    include_usage: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIApi:
+    """The OpenAI routes of one Server (transport.server), which it reads: engine, config, counters."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.in_flight = 0
+        self._ids = itertools.count(1)
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/models", self._guard(self._models), methods=["GET"]),
+                Route("/v1/chat/completions", self._guard(self._chat), methods=["POST"]),
+                Route("/v1/completions", self._guard(self._completions), methods=["POST"]),
+                Route("/tokenize", self._guard(self._tokenize), methods=["POST"]),
+                Route("/detokenize", self._guard(self._detokenize), methods=["POST"])]
+
+    def _guard(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Auth, browser origin and health before the handler; every OpenAIError as its JSON body."""
+        async def guarded(request: Request) -> Response:
+            try:
+                self._check_access(request)
+                return await handler(request)
+            except OpenAIError as exc:
+                self.server.counters[f"error:{exc.code or exc.type}"] += 1
+                headers = {} if exc.retry_after_s is None else {"Retry-After": str(math.ceil(exc.retry_after_s))}
+                return JSONResponse(exc.body(), exc.status, headers=headers)
+        return guarded
+
+    def _check_access(self, request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given.lower().startswith("bearer ") else None
+        if not auth.token_matches(token, self.server.config.token):
+            self.server.counters["refused_token"] += 1
+            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <the server token>'",
+                              "invalid_request_error", None, "invalid_api_key")
+        if not auth.origin_allowed(request.headers.get("origin"), request.headers.get("host"),
+                                   self.server.allowed_hosts, self.server.config.allowed_origins):
+            self.server.counters["refused_origin"] += 1
+            raise OpenAIError(403, "Origin is not allowed", "invalid_request_error", None, "forbidden_origin")
+        health = self.server.engine.health()
+        if self.server.draining or not health.ok:
+            reason = "the server is shutting down" if self.server.draining else f"{health.status}: {health.reason}"
+            raise OpenAIError(503, reason, "server_error", None, "service_unavailable", retry_after_s=1.0)
+
+    async def _json(self, request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except ValueError:
+            raise invalid(None, "the body is not valid JSON") from None
+
+    def _check_model(self, model: str | None) -> None:
+        name = self.server.model_name
+        if model is not None and model not in (name, name.removesuffix(".gguf")):
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
+                              "invalid_request_error", "model", "model_not_found")
+
+    # ---- routes ---------------------------------------------------------------------------
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.server.model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}]})
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = parse(TokenizeRequest, await self._json(request))
+        self._check_model(body.model)
+        tokenizer = self.server.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("prompt", "give exactly one of prompt or messages")
+        if body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt, add_special=body.add_special_tokens)
+        else:
+            chat = ChatRequest(model="", messages=body.messages)
+            text = tokenizer.apply_chat_template([dict(m) for m in chat_messages(chat)])
+            tokens = tokenizer.encode(text, add_special=False)  # the template has them
+        return JSONResponse({"tokens": tokens, "count": len(tokens)})
+
+    async def _detokenize(self, request: Request) -> Response:
+        body = parse(DetokenizeRequest, await self._json(request))
+        self._check_model(body.model)
+        tokenizer = self.server.engine.tokenizer
+        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
+            raise invalid("tokens", f"tokens must be ids in [0, {tokenizer.vocab_size})")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special=False)})
+
+    async def _chat(self, request: Request) -> Response:
+        body = parse(ChatRequest, await self._json(request))
+        self._check_model(body.model)
+        params = sampling_params(body)
+        reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
+                       bool(body.stream_options and body.stream_options.include_usage))
+        gen = GenerateRequest(self._engine_id(), messages=chat_messages(body), params=params)
+        return await self._answer([gen], reply, body.stream, "messages")
+
+    async def _completions(self, request: Request) -> Response:
+        body = parse(CompletionRequest, await self._json(request))
+        self._check_model(body.model)
+        params = sampling_params(body)
+        reply = _Reply(False, self.server.model_name, body.n, body.logprobs is not None,
+                       bool(body.stream_options and body.stream_options.include_usage))
+        gens = [GenerateRequest(self._engine_id(), prompt=p, params=params) if isinstance(p, str) else
+                GenerateRequest(self._engine_id(), prompt_token_ids=p, params=params)
+                for p in completion_prompts(body)]
+        return await self._answer(gens, reply, body.stream, "prompt")
+
+    def _engine_id(self) -> str:
+        return f"http{next(self._ids)}"
+
+    # ---- answering ------------------------------------------------------------------------
+
+    async def _answer(self, gens: list[GenerateRequest], reply: _Reply, stream: bool, prompt_param: str) -> Response:
+        reply.id = ("chatcmpl-" if reply.chat else "cmpl-") + uuid.uuid4().hex
+        streams = [self.server.engine.generate(g) for g in gens]
+        self.in_flight += 1
+        try:
+            for events in streams:  # each first event is `accepted` or the refusal, with its status
+                first = await anext(events)
+                if isinstance(first, Error):
+                    raise _engine_error(first.code, first.message, first.retry_after_s, prompt_param)
+            self.server.counters["openai_requests"] += 1
+        except BaseException:
+            self.in_flight -= 1
+            for events in streams:
+                await events.aclose()
+            raise
+        if stream:
+            return StreamingResponse(self._sse(streams, reply, prompt_param), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-store"})
+        try:
+            return JSONResponse(await self._collect(streams, reply, prompt_param))
+        finally:
+            self.in_flight -= 1
+
+    async def _collect(self, streams: list[Any], reply: _Reply, prompt_param: str) -> dict[str, Any]:
+        choices = [_Choice() for _ in range(len(streams) * reply.n)]
+        usages: list[Usage] = []
+        async for prompt_index, event in _merged(streams):
+            self._on_event(prompt_index, event, reply, choices, usages, prompt_param)
+        shape = _chat_choice if reply.chat else _completion_choice
+        tokenizer = self.server.engine.tokenizer if reply.logprobs else None
+        return {"id": reply.id, "object": "chat.completion" if reply.chat else "text_completion",
+                "created": reply.created, "model": reply.model,
+                "choices": [shape(i, c, tokenizer) for i, c in enumerate(choices)],
+                "usage": _usage(usages), "timings": _timings(usages)}
+
+    async def _sse(self, streams: list[Any], reply: _Reply, prompt_param: str) -> AsyncIterator[str]:
+        choices = [_Choice() for _ in range(len(streams) * reply.n)]
+        usages: list[Usage] = []
+        tokenizer = self.server.engine.tokenizer if reply.logprobs else None
+        try:
+            if reply.chat:
+                yield self._chunk(reply, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None} for i in range(len(choices))])
+            async for prompt_index, event in _merged(streams):
+                try:
+                    ended = self._on_event(prompt_index, event, reply, choices, usages, prompt_param)
+                except OpenAIError as exc:
+                    yield f"data: {json.dumps(exc.body())}\n\n"
+                    break
+                if isinstance(event, Token) and (event.text or reply.logprobs):
+                    index = prompt_index * reply.n + event.index
+                    offset = sum(len(t) for t in choices[index].text) - len(event.text)  # text before this chunk
+                    logprobs = _logprobs(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
+                    delta = {"delta": {"content": event.text}} if reply.chat else {"text": event.text}
+                    yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs, "finish_reason": None}])
+                for index in ended:
+                    done = {"delta": {}} if reply.chat else {"text": ""}
+                    last = {"timings": _timings(usages)} if len(usages) == len(streams) else {}
+                    yield self._chunk(reply, [{"index": index, **done, "logprobs": None,
+                                               "finish_reason": choices[index].finish_reason}], extra=last)
+            else:
+                if reply.include_usage:
+                    yield self._chunk(reply, [], usage=_usage(usages), extra={"timings": _timings(usages)})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+    def _chunk(self, reply: _Reply, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+               extra: dict[str, Any] | None = None) -> str:
+        obj: dict[str, Any] = {"id": reply.id, "object": "chat.completion.chunk" if reply.chat else "text_completion",
+                               "created": reply.created, "model": reply.model, "choices": choices}
+        if reply.include_usage:
+            obj["usage"] = usage
+        return f"data: {json.dumps({**obj, **(extra or {})})}\n\n"
+
+    def _on_event(self, prompt_index: int, event: Event, reply: _Reply, choices: list[_Choice],
+                  usages: list[Usage], prompt_param: str) -> list[int]:
+        """Fold one engine event into the choices; returns the indexes of the choices it ended."""
+        base = prompt_index * reply.n
+        if isinstance(event, Error):
+            raise _engine_error(event.code, event.message, event.retry_after_s, prompt_param)
+        if isinstance(event, Token):
+            choice = choices[base + event.index]
+            choice.text.append(event.text)
+            choice.logprobs.extend(event.logprobs or ())
+            self.server.counters["tokens_streamed"] += len(event.token_ids)
+            return []
+        if not isinstance(event, Finished):
+            return []
+        usages.append(event.usage)
+        self.server.metrics.observe(event.usage)
+        reasons = [c["finish_reason"] for c in event.choices] if event.choices else [event.finish_reason]
+        for j, reason in enumerate(reasons):
+            choices[base + j].finish_reason = _FINISH_REASONS.get(reason, reason)
+        return [base + j for j in range(len(reasons))]
+
+
+async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Event]]:
+    """(prompt index, event) from every stream as they come. Leaving early (a disconnect) cancels
+    the pumps, and each pump's `aclosing` closes its engine stream: the requests are cancelled."""
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def pump(index: int, events: Any) -> None:
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    await queue.put((index, event))
+        except RequestError as exc:
+            await queue.put((index, Error("", exc.code, exc.message, exc.retry_after_s)))
+        except Exception as exc:  # an engine failure ends this request with a 500, never the server
+            await queue.put((index, Error("", INTERNAL, f"{type(exc).__name__}: {exc}")))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, event = await queue.get()
+            if event is None:
+                remaining -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_param: str) -> OpenAIError:
+    if code == PROMPT_TOO_LONG:
+        return OpenAIError(400, message, "invalid_request_error", prompt_param, "context_length_exceeded")
+    if code == INVALID_PARAMS:
+        return OpenAIError(400, message, "invalid_request_error", message.split(" ", 1)[0], None)
+    if code == OVERLOADED:
+        return OpenAIError(429, message, "rate_limit_error", None, "rate_limit_exceeded", retry_after_s or 1.0)
+    if code == ENGINE_CLOSED:
+        return OpenAIError(503, message, "server_error", None, "service_unavailable", 1.0)
+    return OpenAIError(500, message, "server_error", None, code)
+
+
+def _token_entry(token_id: int, logprob: float, tokenizer: Any) -> dict[str, Any]:
+    raw = tokenizer.token_bytes([token_id], skip_special=False)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _logprobs(chat: bool, entries: Any, tokenizer: Any, offset: int) -> dict[str, Any]:
+    """Chat's `content[]` shape, or the completions API's tokens / token_logprobs / top_logprobs /
+    text_offset shape (offsets counted from `offset`, in characters of the completion)."""
+    rows = [(_token_entry(e.token_id, e.logprob, tokenizer), [_token_entry(t, lp, tokenizer) for t, lp in e.top])
+            for e in entries]
+    if chat:
+        return {"content": [{**row, "top_logprobs": top} for row, top in rows], "refusal": None}
+    offsets = list(itertools.accumulate((len(row["token"]) for row, _ in rows), initial=offset))[:-1]
+    return {"tokens": [row["token"] for row, _ in rows], "token_logprobs": [row["logprob"] for row, _ in rows],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in top} for _, top in rows], "text_offset": offsets}
+
+
+def _chat_choice(index: int, choice: _Choice, tokenizer: Any) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+            "logprobs": _logprobs(True, choice.logprobs, tokenizer, 0) if tokenizer else None,
+            "finish_reason": choice.finish_reason}
+
+
+def _completion_choice(index: int, choice: _Choice, tokenizer: Any) -> dict[str, Any]:
+    return {"index": index, "text": "".join(choice.text),
+            "logprobs": _logprobs(False, choice.logprobs, tokenizer, 0) if tokenizer else None,
+            "finish_reason": choice.finish_reason}
+
+
+def _usage(usages: list[Usage]) -> dict[str, Any]:
+    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in usages)}}
+
+
+def _timings(usages: list[Usage]) -> dict[str, Any]:
+    """The extra field (as llama.cpp's server adds one): the slowest prompt's latencies, in seconds."""
+    if not usages:
+        return {}
+    last = max(usages, key=lambda u: u.total_time_s)
+    return {"queue_time_s": last.queue_time_s, "ttft_s": last.ttft_s, "tpot_s": last.tpot_s,
+            "total_time_s": last.total_time_s, "cached_prompt_tokens": sum(u.cached_prompt_tokens for u in usages)}

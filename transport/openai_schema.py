@@ -1,0 +1,210 @@
+"""The OpenAI HTTP API's request models (pydantic), their mapping onto SamplingParams, and the
+error body every refusal is answered with.
+
+Requests are validated in two passes: pydantic for shapes and types (its error location becomes
+the `param` named in the 400), then SamplingParams for ranges (its InvalidParams names its own
+field, translated here to the OpenAI parameter the client sent). Unknown fields are ignored, as
+OpenAI's server does; fields OpenAI defines that this engine cannot honour yet are refused by
+name (`REFUSED_*`), never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
+
+# OpenAI fields the engine cannot honour (yet): a request that sets one gets a 400 naming it.
+REFUSED_COMMON = ("tools", "tool_choice", "functions", "function_call", "response_format", "audio",
+                  "modalities", "prediction", "web_search_options", "suffix", "best_of")
+REFUSED_TRUE = ("echo", "parallel_tool_calls")  # refused only when true: false is what we do anyway
+
+
+class OpenAIError(Exception):
+    """An answer in OpenAI's error shape: status, message, type, param, code (+ Retry-After)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str | None, message: str, code: str | None = None) -> OpenAIError:
+    """A 400 whose message names the parameter too (clients often show only the message)."""
+    if param and param not in message:
+        message = f"{param}: {message}"
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept so refused fields can be named; others ignored
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Generation(_Lenient):
+    model: str
+    max_tokens: int | None = None
+    # OpenAI's own ranges, stricter than the engine's: a value outside them is a 400, as at OpenAI.
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions, named as vLLM and llama.cpp's server name them.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """The request model from a JSON body, or a 400 naming the first bad parameter."""
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param_name(first["loc"])
+        raise invalid(param, first["msg"]) from None
+    extra = request.model_extra or {}
+    for name in REFUSED_COMMON:
+        if extra.get(name) is not None:
+            raise invalid(name, f"{name} is not supported by this server yet")
+    for name in REFUSED_TRUE:
+        if extra.get(name):
+            raise invalid(name, f"{name}=true is not supported by this server")
+    return request
+
+
+def _param_name(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's error location as OpenAI names parameters: messages[0].content."""
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not name:
+            name = str(part)
+        elif part in ("str", "list[ContentPart]", "list[str]", "list[int]", "list[list[int]]", "int"):
+            break  # pydantic names the union member it tried: not part of the parameter
+        else:
+            name += f".{part}"
+    return name or None
+
+
+def chat_messages(request: ChatRequest) -> tuple[dict[str, str], ...]:
+    """Messages as the chat template takes them: roles system/user/assistant, text content only."""
+    messages = []
+    for i, message in enumerate(request.messages):
+        role = "system" if message.role == "developer" else message.role
+        if role not in ("system", "user", "assistant"):
+            raise invalid(f"messages[{i}].role", f"role {message.role!r} is not supported "
+                          "(system, developer, user, assistant)")
+        if message.model_extra and message.model_extra.get("tool_calls"):
+            raise invalid(f"messages[{i}].tool_calls", "tool calls are not supported by this server yet")
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise invalid(f"messages[{i}].content[{j}].type",
+                                  f"content parts of type {part.type!r} are not supported (text only)")
+                texts.append(part.text)
+            content = "".join(texts)
+        messages.append({"role": role, "content": content or ""})
+    return tuple(messages)
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | tuple[int, ...]]:
+    """One entry per prompt: a string, or token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("prompt", "prompt must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [tuple(prompt)]  # type: ignore[arg-type]
+    return [p if isinstance(p, str) else tuple(p) for p in prompt]  # type: ignore[misc]
+
+
+def sampling_params(request: ChatRequest | CompletionRequest) -> SamplingParams:
+    """The request's SamplingParams; out-of-range values get a 400 naming the OpenAI parameter."""
+    names = {"max_tokens": "max_tokens", "logprobs": "logprobs"}
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatRequest):
+        if request.max_completion_tokens is not None:
+            max_tokens, names["max_tokens"] = request.max_completion_tokens, "max_completion_tokens"
+        if request.top_logprobs is not None and not request.logprobs:
+            raise invalid("top_logprobs", "top_logprobs requires logprobs=true")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        names["logprobs"] = "top_logprobs"
+    else:
+        logprobs = request.logprobs
+    try:
+        bias = {int(k): v for k, v in (request.logit_bias or {}).items()}
+    except ValueError:
+        raise invalid("logit_bias", "logit_bias keys must be token ids") from None
+    given: dict[str, Any] = {
+        "max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+        "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
+        "top_k": request.top_k, "min_p": request.min_p, "repetition_penalty": request.repetition_penalty,
+        "min_tokens": request.min_tokens, "seed": request.seed}
+    try:
+        return SamplingParams(
+            **{k: v for k, v in given.items() if v is not None}, n=request.n, logprobs=logprobs,
+            stop=request.stop or (), logit_bias=bias, ignore_eos=request.ignore_eos)
+    except InvalidParams as exc:
+        field = str(exc).split(" ", 1)[0]
+        param = names.get(field, field)
+        raise invalid(param, f"{param}{str(exc)[len(field):]}") from None
