@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +51,10 @@ async def run_service(config: ServiceConfig) -> int:
     state_dir = Path(config.state_dir) if config.state_dir else None
     lock = daemon.acquire_lock(state_dir) if state_dir else None  # raises DaemonError if one runs
     stop = asyncio.Event()
+    received: list[int] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda sig=sig: (received.append(sig), stop.set()))
     try:
         # Bound before the model loads (which takes a while), so a port in use fails at once, naming it.
         sock = bind_socket(config.server.host, config.server.port)
@@ -63,6 +65,9 @@ async def run_service(config: ServiceConfig) -> int:
                 if state_dir is not None:
                     daemon.write_state(state_dir, daemon.DaemonState(
                         pid=os.getpid(), host=config.server.host, port=server.port, model=name))
+                plan = getattr(engine, "memory_plan", None)
+                if plan is not None:
+                    print(f"edgeinfer: memory plan: {plan.describe()}", flush=True)
                 print(f"edgeinfer: serving {name} on {server.url}; chat page "
                       f"http://{config.server.host}:{server.port}/#token=<token in {auth.token_path()}>",
                       flush=True)
@@ -70,6 +75,9 @@ async def run_service(config: ServiceConfig) -> int:
                 log.info("stopping: draining in-flight requests (up to %g s)", config.server.drain_timeout_s)
                 await server.drain()
         log.info("stopped")
+        if received and received[0] == signal.SIGINT:  # Ctrl-C: drained like SIGTERM, said and 130
+            print("edgeinfer serve: interrupted; in-flight requests were drained", file=sys.stderr, flush=True)
+            return 130
         return 0
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from edgeinfer.cli.options import add_runtime_args, model_path, runtime_config
+from edgeinfer.cli.options import HelpFormatter, add_runtime_args, model_path, runtime_config
 from edgeinfer.config import SchedulerConfig
 from edgeinfer.models.host_memory import return_large_frees_to_the_os
 from transport import auth, daemon
@@ -23,7 +23,9 @@ DEFAULT_PORT = 8765
 
 
 def _serve_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Websocket server (edgeinfer/1), web chat page.")
+    p = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter,
+                                description="HTTP server: the OpenAI API (/v1), the edgeinfer/1 websocket, the web "
+                                            "chat page.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     add_runtime_args(p)
@@ -33,12 +35,13 @@ def _serve_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--draft-model", metavar="PATH",
                    help="speculative decoding with this model drafting (same vocabulary) while at most 2 "
                         "requests run, e.g. the int4 GGUF for an int8 or bf16 checkpoint of the same model")
-    p.add_argument("--max-connections", type=int, default=128)
-    p.add_argument("--max-requests-per-connection", type=int, default=16)
-    p.add_argument("--max-frame-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-connections", type=int, default=128, help="websocket connections open at once")
+    p.add_argument("--max-requests-per-connection", type=int, default=16,
+                   help="requests one websocket connection may have in flight")
+    p.add_argument("--max-frame-bytes", type=int, default=1 << 20, help="largest websocket frame accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     p.add_argument("--allow-origin", action="append", default=[], help="extra browser Origin to allow")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the server and engine do (INFO)")
     p.add_argument("--daemon-state", help=argparse.SUPPRESS)  # set by `edgeinfer daemon start`
     return p
 

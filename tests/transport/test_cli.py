@@ -109,11 +109,13 @@ def test_memory_plan_flags() -> None:
 def test_every_option_explains_itself() -> None:
     """--help gives every option of every subcommand a description; --version answers."""
     from edgeinfer.cli.main import build_parser
+    from edgeinfer.cli.serve import _serve_parser
     from quant.cli import _ppl_parser, _quantize_parser
 
     main = build_parser()
     subcommands = next(a for a in main._actions if isinstance(a, argparse._SubParsersAction)).choices
-    parsers = [main, *(p for p in subcommands.values() if p.add_help), _quantize_parser(), _ppl_parser()]
+    parsers = [main, *(p for p in subcommands.values() if p.add_help), _quantize_parser(), _ppl_parser(),
+               _serve_parser("edgeinfer serve")]
     silent = [f"{p.prog} {'/'.join(a.option_strings) or a.dest}" for p in parsers for a in p._actions
               if not a.help and not isinstance(a, argparse._SubParsersAction)]
     assert not silent, silent

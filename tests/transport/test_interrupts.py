@@ -63,3 +63,11 @@ def test_generate(default_model_path, tmp_path) -> None:  # noqa: ANN001
                                 "--model", str(default_model_path)], "engine ready", tmp_path)
     assert status == 130
     assert_one_line(stderr, "generate")
+
+
+def test_serve(default_model_path, tmp_path) -> None:  # noqa: ANN001
+    """Ctrl-C drains like SIGTERM, then says so and exits 130."""
+    status, stderr = interrupt(["serve", "--model", str(default_model_path), "--port", "0", "--kv-memory", "64MB",
+                                "-v"], "engine ready", tmp_path)
+    assert status == 130
+    assert_one_line(stderr, "serve")
