@@ -21,10 +21,12 @@ import numpy as np
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
-def write_tiny_gguf(path: Path, context: int = 64, template: bool = True) -> Path:
+def write_tiny_gguf(path: Path, context: int = 64, template: bool = True, arch: str = "llama",
+                    tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """A GGUF with a one-layer model's metadata and ``tensors`` (default: two small ones)."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(context)
     writer.add_embedding_length(64)
@@ -36,8 +38,11 @@ def write_tiny_gguf(path: Path, context: int = 64, template: bool = True) -> Pat
     writer.add_token_list(["a", "b", "c"])
     if template:
         writer.add_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}")
-    writer.add_tensor("token_embd.weight", np.zeros((3, 64), np.float32))
-    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((128, 64), np.float16))
+    if tensors is None:
+        tensors = {"token_embd.weight": np.zeros((3, 64), np.float32),
+                   "blk.0.ffn_up.weight": np.zeros((128, 64), np.float16)}
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -4,30 +4,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from model_stores import write_tiny_gguf
 
 from edgeinfer.models.loader import load_model
 from quant.gguf_import import ModelFileError
 
 
 def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(["a", "b", "c"])
-    for name, value in tensors.items():
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tiny_gguf(path, template=False, arch=arch, tensors=tensors)
 
 
 def test_missing_file() -> None:
