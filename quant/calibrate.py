@@ -193,6 +193,18 @@ class GPTQCalibrator:
                 current[name] = _dense(quantize(name, h))
         self.hidden = self._run(index, current)
 
+    @torch.no_grad()
+    def layer_inputs(self, index: int, weights: Mapping[str, Weight], linear: str) -> torch.Tensor:
+        """The inputs (num_seqs, seqlen, K) of ``linear`` ("qkv", "o", "gate_up", "down") of layer
+        ``index`` run with ``weights`` (full names) on the current residual stream (AWQ's search)."""
+        return self._run(index, {name: _dense(w) for name, w in weights.items()}, watch=linear)
+
+    @torch.no_grad()
+    def advance(self, index: int, weights: Mapping[str, Weight]) -> None:
+        """Run layer ``index`` with its final ``weights`` to give the next layer's input (when the
+        weights were quantized without Hessians, so ``run_layer`` has nothing to do)."""
+        self.hidden = self._run(index, {name: _dense(w) for name, w in weights.items()})
+
     def _run(self, index: int, weights: Mapping[str, Weight], watch: str | None = None) -> torch.Tensor:
         """Layer ``index`` over every sequence: the inputs of the linear ``watch`` (num_seqs,
         seqlen, K), or the layer's outputs when None."""

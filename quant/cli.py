@@ -34,7 +34,9 @@ def _quantize_parser() -> argparse.ArgumentParser:
         choices=GROUP_SIZES,
         help="group size (default: int4 32, nf4 64, int8 one scale per row)",
     )
-    p.add_argument("--calibrate", choices=CALIBRATION_METHODS, help="error-minimising rounding (gptq)")
+    p.add_argument("--calibrate", choices=CALIBRATION_METHODS,
+                   help="calibrate on --calib-data: gptq (error-minimising rounding), awq (activation-aware "
+                        "channel scales, int4), awq+gptq (both)")
     p.add_argument("--calib-data", help="text file to calibrate on")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="calibration sequence length (default 512)")

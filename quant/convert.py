@@ -15,7 +15,9 @@ Which format each weight gets (``target_format``):
 
 A weight already in its target format (GGUF Q4_0/Q4_1 -> int4 g32, Q8_0 -> int8 g32) is copied
 bit for bit; anything else is dequantized to fp32 and quantized again, round-to-nearest, or with
-GPTQ (quant.calibrate) when ``--calibrate gptq``. The source is read one tensor at a time (GGUF
+GPTQ (quant.calibrate) when ``--calibrate gptq``; ``awq`` first scales each layer's input
+channels (quant.awq, folded into the norms and linears before them), then rounds to nearest,
+and ``awq+gptq`` runs GPTQ on the scaled weights. The source is read one tensor at a time (GGUF
 memory-mapped, safetensors through safe_open) and handed to quant.checkpoint's streaming
 writer, so peak memory is about one layer (calibration: one layer plus its activations and a
 KV pool of one calibration sequence).
@@ -45,7 +47,7 @@ from quant.weight_error import dense, relative_error
 
 Weight = torch.Tensor | QuantizedTensor
 WEIGHT_FORMATS = ("int8", "int4", "nf4", "fp16", "bf16")
-CALIBRATION_METHODS = ("gptq",)  # AWQ is offered once it works (issue #25)
+CALIBRATION_METHODS = ("gptq", "awq", "awq+gptq")
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 DEFAULT_GROUP = {"int4": 32, "nf4": 64, "int8": None}
@@ -76,7 +78,9 @@ class ConvertOptions:
             if self.calibrate not in CALIBRATION_METHODS:
                 raise ValueError(f"--calibrate must be one of {CALIBRATION_METHODS}, got {self.calibrate!r}")
             if self.weights not in ("int4", "int8"):
-                raise ValueError(f"--calibrate gptq quantizes to int4 or int8, not {self.weights}")
+                raise ValueError(f"--calibrate {self.calibrate} quantizes to int4 or int8, not {self.weights}")
+            if self.calibrate.startswith("awq") and self.weights != "int4":
+                raise ValueError(f"--calibrate {self.calibrate} scales for int4 groups; got --weights {self.weights}")
             if not self.calib_data:
                 raise ValueError("--calibrate needs --calib-data FILE (a text file to calibrate on)")
         if self.calib_tokens < self.calib_seqlen or self.calib_seqlen < 16:
@@ -324,7 +328,7 @@ def convert(
     def stream() -> Iterator[tuple[str, Weight]]:
         for group in _ordered(source.names):
             if calibrator is not None and group and _LAYER.match(group[0]):
-                yield from _calibrated_layer(group, source, opts, calibrator, emit)
+                yield from _calibrated_layer(group, source, opts, calibrator, emit, log)
                 continue
             for name in group:
                 old = source.load(name)
@@ -352,10 +356,19 @@ def _calibrated_layer(
     opts: ConvertOptions,
     calibrator: Any,
     emit: Callable[[str, Weight, Weight], tuple[str, Weight]],
+    log: Callable[[str], None],
 ) -> Iterator[tuple[str, Weight]]:
     from quant.calibrate import gptq_quantize
 
+    index = int(_LAYER.match(names[0]).group(1))
     olds = {name: source.load(name) for name in names}
+    if opts.calibrate.startswith("awq"):
+        from quant.awq import scale_layer
+
+        # The errors reported are then against the scaled weights, which the checkpoint holds.
+        olds = scale_layer(source.config, index, olds, lambda w, linear: calibrator.layer_inputs(index, w, linear),
+                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts))),
+                           log if opts.verbose else None)
     news: dict[str, Weight] = {}
 
     def quantize(name: str, hessian: torch.Tensor | None) -> Weight:
@@ -367,8 +380,12 @@ def _calibrated_layer(
             news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]))
         return news[name]
 
-    calibrator.run_layer(int(_LAYER.match(names[0]).group(1)), olds, quantize)
+    if opts.calibrate.endswith("gptq"):
+        calibrator.run_layer(index, olds, quantize)
     for name in names:
         if name not in news:
             quantize(name, None)
+    if not opts.calibrate.endswith("gptq"):
+        calibrator.advance(index, news)
+    for name in names:
         yield emit(name, news[name], olds[name])
