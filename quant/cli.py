@@ -26,7 +26,7 @@ def _quantize_parser() -> argparse.ArgumentParser:
         prog="edgeinfer quantize", description="Convert a model into an edgeinfer checkpoint."
     )
     p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected)")
-    p.add_argument("dst", help="checkpoint folder to write (atomically)")
+    p.add_argument("dst", help="checkpoint folder (or, with --format gguf, file) to write, atomically")
     p.add_argument("--weights", required=True, choices=WEIGHT_FORMATS, help="format of the linear layers")
     p.add_argument(
         "--group-size",
@@ -47,6 +47,9 @@ def _quantize_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="keep weights whose name matches this fnmatch pattern in the source format (repeatable)",
     )
+    p.add_argument("--format", choices=("edgeinfer", "gguf"), default="edgeinfer",
+                   help="edgeinfer checkpoint folder (default), or one GGUF file for llama.cpp / ollama "
+                        "(int4 as Q4_1, int8 as Q8_0, with fp16 scales so the file holds exactly these weights)")
     p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint at DST")
     p.add_argument(
         "-v", "--verbose", action="store_true", help="print each weight's format and relative error"
@@ -94,7 +97,12 @@ def quantize_main(argv: list[str]) -> int:
             force=args.force,
             verbose=args.verbose,
         )
-        report = convert(args.src, args.dst, opts, progress=None if args.quiet else progress)
+        if args.format == "gguf":
+            from quant.export_gguf import convert_to_gguf
+
+            report = convert_to_gguf(args.src, args.dst, opts, progress=None if args.quiet else progress)
+        else:
+            report = convert(args.src, args.dst, opts, progress=None if args.quiet else progress)
     except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors
         progress.close()
         print(f"edgeinfer quantize: error: {exc}", file=sys.stderr)

@@ -66,6 +66,7 @@ class ConvertOptions:
     skip: tuple[str, ...] = ()
     force: bool = False
     verbose: bool = False
+    fp16_scales: bool = False  # int4/int8 scales and mins as fp16 values (GGUF export: exact Q4_1 / Q8_0)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -256,8 +257,9 @@ def effective_group(group_size: int | None, k: int) -> int:
     raise ModelFileError(f"no group size <= {group_size} divides K={k}; choose another --group-size")
 
 
-def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
-    """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged."""
+def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales: bool = False) -> Weight:
+    """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged
+    (with ``fp16_scales`` only if its scales are fp16). ``fp16_scales``: see quant.fp16_groups."""
     if fmt == "keep":
         return weight
     if fmt in _PLAIN:
@@ -265,9 +267,14 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
             return weight
         return dense(weight).to(_PLAIN[fmt])
     group = effective_group(group_size, weight.shape[1])
-    if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group:
+    if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group and (
+            not fp16_scales or weight.scales.dtype == torch.float16):
         return weight
     w = dense(weight)
+    if fmt in ("int4", "int8") and fp16_scales:
+        from quant.fp16_groups import quantize_int4_fp16, quantize_int8_fp16
+
+        return (quantize_int4_fp16 if fmt == "int4" else quantize_int8_fp16)(w, group)
     if fmt == "int4":
         return quantize_int4(w, group)
     if fmt == "int8":
@@ -333,8 +340,8 @@ def convert(
             for name in group:
                 old = source.load(name)
                 new = convert_weight(
-                    old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
-                )
+                    old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts),
+                    opts.fp16_scales)
                 if calibrator is not None and name == EMBED:
                     calibrator.set_embedding(dense(new))
                 yield emit(name, new, old)
@@ -367,7 +374,7 @@ def _calibrated_layer(
 
         # The errors reported are then against the scaled weights, which the checkpoint holds.
         olds = scale_layer(source.config, index, olds, lambda w, linear: calibrator.layer_inputs(index, w, linear),
-                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts))),
+                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts), opts.fp16_scales)),
                            log if opts.verbose else None)
     news: dict[str, Weight] = {}
 
@@ -375,9 +382,10 @@ def _calibrated_layer(
         old = olds[name]
         fmt, group = target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
         if hessian is None or fmt not in ("int4", "int8"):
-            news[name] = convert_weight(old, fmt, group)
+            news[name] = convert_weight(old, fmt, group, opts.fp16_scales)
         else:
-            news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]))
+            news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]),
+                                       fp16_scales=opts.fp16_scales)
         return news[name]
 
     if opts.calibrate.endswith("gptq"):
