@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -197,6 +197,27 @@ def _write_metadata(writer: Any, config: ModelConfig, tokenizer: Tokenizer, file
         writer.add_chat_template(fields["chat_template"])
 
 
+def remove_stale(dst: Path) -> None:
+    """Delete what an earlier export to DST killed midway left beside it: ``.DST.tmp-PID`` (the
+    file) and ``.DST.ckpt-PID`` (the checkpoint stage, and its own ``..DST.ckpt-PID.tmp-PID``),
+    where process PID is gone."""
+    for path in [*dst.parent.glob(f".{dst.name}.*-*"), *dst.parent.glob(f"..{dst.name}.ckpt-*")]:
+        pid = path.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def check_gguf_destination(dst: str | os.PathLike[str], force: bool) -> Path:
     """Fail before any work if DST exists without force, is a folder, or cannot be written."""
     dst = Path(dst).absolute()
@@ -252,12 +273,8 @@ def export_gguf(checkpoint: str | os.PathLike[str], dst: str | os.PathLike[str],
             weight = _permute(weight, config.num_heads if "q_proj" in name else config.num_kv_heads)
         return encode(weight, kind)
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; the file is for llama.cpp / ollama to read
+    remove_stale(dst)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     try:
         writer = gguf.GGUFWriter(tmp, arch)
         _write_metadata(writer, config, Tokenizer.from_folder(checkpoint), int(file_type))
@@ -296,8 +313,12 @@ def convert_to_gguf(src: str | Path, dst: str | Path, opts: ConvertOptions,
     if opts.weights == "nf4":
         raise ValueError("--format gguf cannot hold --weights nf4 (no GGUF type llama.cpp reads is NF4); "
                          "use --weights int4 (written as Q4_1) or int8 (Q8_0)")
-    with tempfile.TemporaryDirectory(prefix=f".{dst_path.name}.ckpt-", dir=dst_path.parent) as tmp:
-        report = convert(src, Path(tmp) / "checkpoint", replace(opts, fp16_scales=True), progress, log)
-        export_gguf(Path(tmp) / "checkpoint", dst_path, force=opts.force, log=log)
+    remove_stale(dst_path)
+    ckpt = dst_path.parent / f".{dst_path.name}.ckpt-{os.getpid()}"
+    try:
+        report = convert(src, ckpt, replace(opts, fp16_scales=True, force=True), progress, log)
+        export_gguf(ckpt, dst_path, force=opts.force, log=log)
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
     report.dst = dst_path
     return report

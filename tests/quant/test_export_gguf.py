@@ -3,6 +3,7 @@ architecture the reader has; inexact tensors noted, nf4 refused, the command lin
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,9 @@ def test_inexact_tensors_are_f16_with_a_note_and_nf4_is_refused(tmp_path: Path) 
 def test_quantize_format_gguf_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     src = make_tiny_folder(tmp_path / "src")
     dst = tmp_path / "model.gguf"
+    dead = _dead_pid()
+    (tmp_path / f".model.gguf.tmp-{dead}").write_bytes(b"GGUF partial")  # what kill -9 leaves
+    (tmp_path / f".model.gguf.ckpt-{dead}").mkdir()
     args = [str(src), str(dst), "--weights", "int4", "--format", "gguf", "-q"]
     assert quantize_main(args) == 0
     assert load_gguf(dst).config.num_layers == 2
@@ -120,6 +124,12 @@ def test_quantize_format_gguf_on_the_command_line(tmp_path: Path, capsys: pytest
     assert quantize_main([*args[:3], "nf4", *args[4:], "--force"]) == 2
     assert "--format gguf cannot hold --weights nf4" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "src"]  # no temporary left
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
 
 
 @pytest.mark.skipif(not GGUF.is_file(), reason=f"default model not at {GGUF} (edgeinfer pull)")
