@@ -116,14 +116,17 @@ def test_quantize_format_gguf_on_the_command_line(tmp_path: Path, capsys: pytest
     dead = _dead_pid()
     (tmp_path / f".model.gguf.tmp-{dead}").write_bytes(b"GGUF partial")  # what kill -9 leaves
     (tmp_path / f".model.gguf.ckpt-{dead}").mkdir()
-    args = [str(src), str(dst), "--weights", "int4", "--format", "gguf", "-q"]
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    args = [str(src), str(dst), "--weights", "int4", "--format", "gguf", "-q", "--calibrate", "awq",
+            "--calib-data", str(calib), "--calib-tokens", "256", "--calib-seqlen", "64"]
     assert quantize_main(args) == 0
     assert load_gguf(dst).config.num_layers == 2
     assert quantize_main(args) == 2
     assert f"{dst} already exists; pass --force" in capsys.readouterr().err
-    assert quantize_main([*args[:3], "nf4", *args[4:], "--force"]) == 2
+    assert quantize_main([*args[:3], "nf4", *args[4:7], "--force"]) == 2
     assert "--format gguf cannot hold --weights nf4" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "src"]  # no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "model.gguf", "src"]  # no temporary left
 
 
 def _dead_pid() -> int:
