@@ -37,6 +37,7 @@ from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.kv_pools import kv_pool
 from kernels.dispatch import choose_backend
 from quant.formats import QuantizedTensor, pack_int4
+from quant.fp16_groups import int4_params_fp16, int8_scale_fp16
 
 Weight = torch.Tensor | QuantizedTensor
 GPTQ_BLOCK = 128
@@ -64,8 +65,14 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
     return 2.0 * (x.t() @ x) / x.shape[0]
 
 
-def _group_params(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scale (and min) of one group of columns w (N, g), as quant.formats' RTN computes them."""
+def _group_params(w: torch.Tensor, fmt: str, fp16_scales: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and min) of one group of columns w (N, g), as quant.formats' RTN computes them
+    (quant.fp16_groups' when ``fp16_scales``: fp16 values, held in fp32 for the column loop)."""
+    if fp16_scales:
+        if fmt == "int4":
+            scale, lo = int4_params_fp16(w)
+            return scale.float(), lo.float()
+        return int8_scale_fp16(w).float(), None
     if fmt == "int4":
         lo, hi = w.amin(dim=1), w.amax(dim=1)
         return ((hi - lo) / 15).clamp(min=1e-8), lo
@@ -84,9 +91,10 @@ def _round(
 
 
 def gptq_quantize(
-    w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int, damp: float = GPTQ_DAMP
+    w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int, damp: float = GPTQ_DAMP, fp16_scales: bool = False
 ) -> QuantizedTensor:
-    """GPTQ-quantize W (N, K) fp32 given the Hessian H (K, K) of its inputs; int4 or int8."""
+    """GPTQ-quantize W (N, K) fp32 given the Hessian H (K, K) of its inputs; int4 or int8
+    (scales and mins fp16 values, stored as fp16, with ``fp16_scales``)."""
     if fmt not in ("int4", "int8"):
         raise ValueError(f"GPTQ quantizes to int4 or int8, not {fmt}")
     n, k = w.shape
@@ -97,12 +105,13 @@ def gptq_quantize(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _gptq(w, h, fmt, group_size, damp)
+        return _gptq(w, h, fmt, group_size, damp, fp16_scales)
     finally:
         torch.set_num_threads(threads)
 
 
-def _gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int, damp: float) -> QuantizedTensor:
+def _gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int, damp: float,
+          fp16_scales: bool) -> QuantizedTensor:
     n, k = w.shape
     w = w.clone().float()
     h = h.clone().double()
@@ -124,7 +133,7 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int, damp: flo
         for j in range(i2 - i1):
             col = i1 + j
             if col % group_size == 0:
-                scale, lo = _group_params(w[:, col : col + group_size], fmt)
+                scale, lo = _group_params(w[:, col : col + group_size], fmt, fp16_scales)
                 scales[:, col // group_size] = scale
                 if mins is not None:
                     mins[:, col // group_size] = lo
@@ -133,6 +142,8 @@ def _gptq(w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int, damp: flo
             block[:, j:] -= err[:, None] * u_block[j, j:][None, :]
             errors[:, j] = err
         w[:, i2:] -= errors @ u[i1:i2, i2:]
+    if fp16_scales:  # exact: they hold fp16 values
+        scales, mins = scales.half(), None if mins is None else mins.half()
     if fmt == "int4":
         return QuantizedTensor("int4", (n, k), group_size, pack_int4(q), scales, mins)
     return QuantizedTensor("int8", (n, k), group_size, q.to(torch.int8), scales)
@@ -192,6 +203,18 @@ class GPTQCalibrator:
                 name = f"{prefix}{part}.weight"
                 current[name] = _dense(quantize(name, h))
         self.hidden = self._run(index, current)
+
+    @torch.no_grad()
+    def layer_inputs(self, index: int, weights: Mapping[str, Weight], linear: str) -> torch.Tensor:
+        """The inputs (num_seqs, seqlen, K) of ``linear`` ("qkv", "o", "gate_up", "down") of layer
+        ``index`` run with ``weights`` (full names) on the current residual stream (AWQ's search)."""
+        return self._run(index, {name: _dense(w) for name, w in weights.items()}, watch=linear)
+
+    @torch.no_grad()
+    def advance(self, index: int, weights: Mapping[str, Weight]) -> None:
+        """Run layer ``index`` with its final ``weights`` to give the next layer's input (when the
+        weights were quantized without Hessians, so ``run_layer`` has nothing to do)."""
+        self.hidden = self._run(index, {name: _dense(w) for name, w in weights.items()})
 
     def _run(self, index: int, weights: Mapping[str, Weight], watch: str | None = None) -> torch.Tensor:
         """Layer ``index`` over every sequence: the inputs of the linear ``watch`` (num_seqs,

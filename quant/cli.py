@@ -28,7 +28,7 @@ def _quantize_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected), or its "
                    "name from `edgeinfer list`")
-    p.add_argument("dst", help="checkpoint folder to write (atomically)")
+    p.add_argument("dst", help="checkpoint folder (or, with --format gguf, file) to write, atomically")
     p.add_argument("--weights", required=True, choices=WEIGHT_FORMATS, help="format of the linear layers")
     p.add_argument(
         "--group-size",
@@ -36,7 +36,9 @@ def _quantize_parser() -> argparse.ArgumentParser:
         choices=GROUP_SIZES,
         help="group size (default: int4 32, nf4 64, int8 one scale per row)",
     )
-    p.add_argument("--calibrate", choices=CALIBRATION_METHODS, help="error-minimising rounding (gptq)")
+    p.add_argument("--calibrate", choices=CALIBRATION_METHODS,
+                   help="calibrate on --calib-data: gptq (error-minimising rounding), awq (activation-aware "
+                        "channel scales, int4), awq+gptq (both)")
     p.add_argument("--calib-data", help="text file to calibrate on")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="calibration sequence length (default 512)")
@@ -47,6 +49,9 @@ def _quantize_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="keep weights whose name matches this fnmatch pattern in the source format (repeatable)",
     )
+    p.add_argument("--format", choices=("edgeinfer", "gguf"), default="edgeinfer",
+                   help="edgeinfer checkpoint folder (default), or one GGUF file for llama.cpp / ollama "
+                        "(int4 as Q4_1, int8 as Q8_0, with fp16 scales so the file holds exactly these weights)")
     p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint at DST")
     p.add_argument(
         "-v", "--verbose", action="store_true", help="print each weight's format and relative error"
@@ -94,7 +99,13 @@ def quantize_main(argv: list[str]) -> int:
             force=args.force,
             verbose=args.verbose,
         )
-        report = convert(str(resolve_model(args.src)), args.dst, opts, progress=None if args.quiet else progress)
+        src, shown = str(resolve_model(args.src)), None if args.quiet else progress
+        if args.format == "gguf":
+            from quant.export_gguf import convert_to_gguf
+
+            report = convert_to_gguf(src, args.dst, opts, progress=shown)
+        else:
+            report = convert(src, args.dst, opts, progress=shown)
     except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors
         progress.close()
         print(f"edgeinfer quantize: error: {exc}", file=sys.stderr)

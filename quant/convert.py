@@ -15,7 +15,9 @@ Which format each weight gets (``target_format``):
 
 A weight already in its target format (GGUF Q4_0/Q4_1 -> int4 g32, Q8_0 -> int8 g32) is copied
 bit for bit; anything else is dequantized to fp32 and quantized again, round-to-nearest, or with
-GPTQ (quant.calibrate) when ``--calibrate gptq``. The source is read one tensor at a time (GGUF
+GPTQ (quant.calibrate) when ``--calibrate gptq``; ``awq`` first scales each layer's input
+channels (quant.awq, folded into the norms and linears before them), then rounds to nearest,
+and ``awq+gptq`` runs GPTQ on the scaled weights. The source is read one tensor at a time (GGUF
 memory-mapped, safetensors through safe_open) and handed to quant.checkpoint's streaming
 writer, so peak memory is about one layer (calibration: one layer plus its activations and a
 KV pool of one calibration sequence).
@@ -46,7 +48,7 @@ from quant.weight_error import dense, relative_error
 
 Weight = torch.Tensor | QuantizedTensor
 WEIGHT_FORMATS = ("int8", "int4", "nf4", "fp16", "bf16")
-CALIBRATION_METHODS = ("gptq",)  # AWQ is offered once it works (issue #25)
+CALIBRATION_METHODS = ("gptq", "awq", "awq+gptq")
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 DEFAULT_GROUP = {"int4": 32, "nf4": 64, "int8": None}
@@ -65,6 +67,7 @@ class ConvertOptions:
     skip: tuple[str, ...] = ()
     force: bool = False
     verbose: bool = False
+    fp16_scales: bool = False  # int4/int8 scales and mins as fp16 values (GGUF export: exact Q4_1 / Q8_0)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -77,7 +80,9 @@ class ConvertOptions:
             if self.calibrate not in CALIBRATION_METHODS:
                 raise ValueError(f"--calibrate must be one of {CALIBRATION_METHODS}, got {self.calibrate!r}")
             if self.weights not in ("int4", "int8"):
-                raise ValueError(f"--calibrate gptq quantizes to int4 or int8, not {self.weights}")
+                raise ValueError(f"--calibrate {self.calibrate} quantizes to int4 or int8, not {self.weights}")
+            if self.calibrate.startswith("awq") and self.weights != "int4":
+                raise ValueError(f"--calibrate {self.calibrate} scales for int4 groups; got --weights {self.weights}")
             if not self.calib_data:
                 raise ValueError("--calibrate needs --calib-data FILE (a text file to calibrate on)")
         if self.calib_tokens < self.calib_seqlen or self.calib_seqlen < 16:
@@ -253,8 +258,9 @@ def effective_group(group_size: int | None, k: int) -> int:
     raise ModelFileError(f"no group size <= {group_size} divides K={k}; choose another --group-size")
 
 
-def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
-    """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged."""
+def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales: bool = False) -> Weight:
+    """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged
+    (with ``fp16_scales`` only if its scales are fp16). ``fp16_scales``: see quant.fp16_groups."""
     if fmt == "keep":
         return weight
     if fmt in _PLAIN:
@@ -262,9 +268,14 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None) -> Weight:
             return weight
         return dense(weight).to(_PLAIN[fmt])
     group = effective_group(group_size, weight.shape[1])
-    if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group:
+    if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group and (
+            not fp16_scales or weight.scales.dtype == torch.float16):
         return weight
     w = dense(weight)
+    if fmt in ("int4", "int8") and fp16_scales:
+        from quant.fp16_groups import quantize_int4_fp16, quantize_int8_fp16
+
+        return (quantize_int4_fp16 if fmt == "int4" else quantize_int8_fp16)(w, group)
     if fmt == "int4":
         return quantize_int4(w, group)
     if fmt == "int8":
@@ -325,13 +336,13 @@ def convert(
     def stream() -> Iterator[tuple[str, Weight]]:
         for group in _ordered(source.names):
             if calibrator is not None and group and _LAYER.match(group[0]):
-                yield from _calibrated_layer(group, source, opts, calibrator, emit)
+                yield from _calibrated_layer(group, source, opts, calibrator, emit, log)
                 continue
             for name in group:
                 old = source.load(name)
                 new = convert_weight(
-                    old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
-                )
+                    old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts),
+                    opts.fp16_scales)
                 if calibrator is not None and name == EMBED:
                     calibrator.set_embedding(dense(new))
                 yield emit(name, new, old)
@@ -353,23 +364,37 @@ def _calibrated_layer(
     opts: ConvertOptions,
     calibrator: Any,
     emit: Callable[[str, Weight, Weight], tuple[str, Weight]],
+    log: Callable[[str], None],
 ) -> Iterator[tuple[str, Weight]]:
     from quant.calibrate import gptq_quantize
 
+    index = int(_LAYER.match(names[0]).group(1))
     olds = {name: source.load(name) for name in names}
+    if opts.calibrate.startswith("awq"):
+        from quant.awq import scale_layer
+
+        # The errors reported are then against the scaled weights, which the checkpoint holds.
+        olds = scale_layer(source.config, index, olds, lambda w, linear: calibrator.layer_inputs(index, w, linear),
+                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts), opts.fp16_scales)),
+                           log if opts.verbose else None)
     news: dict[str, Weight] = {}
 
     def quantize(name: str, hessian: torch.Tensor | None) -> Weight:
         old = olds[name]
         fmt, group = target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
         if hessian is None or fmt not in ("int4", "int8"):
-            news[name] = convert_weight(old, fmt, group)
+            news[name] = convert_weight(old, fmt, group, opts.fp16_scales)
         else:
-            news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]))
+            news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]),
+                                       fp16_scales=opts.fp16_scales)
         return news[name]
 
-    calibrator.run_layer(int(_LAYER.match(names[0]).group(1)), olds, quantize)
+    if opts.calibrate.endswith("gptq"):
+        calibrator.run_layer(index, olds, quantize)
     for name in names:
         if name not in news:
             quantize(name, None)
+    if not opts.calibrate.endswith("gptq"):
+        calibrator.advance(index, news)
+    for name in names:
         yield emit(name, news[name], olds[name])

@@ -17,6 +17,7 @@ What the converter (convert_hf_to_gguf.py) does per architecture, and is undone 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,18 @@ def hf_name(gguf_name: str, architecture: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias") and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
+
+
+def gguf_name(name: str, architecture: str) -> str:
+    """The GGUF name llama.cpp's converter gives the HF tensor ``name`` (hf_name's inverse)."""
+    inverse = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
+    if name in inverse:
+        return inverse[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    names = {hf: gguf for gguf, hf in (_LAYER_NAMES | _ARCH_LAYER_NAMES.get(architecture, {})).items()}
+    if m is None or m.group(2) not in names:
+        raise ModelFileError(f"tensor {name} has no GGUF name for architecture {architecture!r}")
+    return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def permutes_rope_rows(architecture: str, name: str) -> bool:

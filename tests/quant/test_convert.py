@@ -173,8 +173,8 @@ def test_calibration_sequences_longer_than_the_context_are_refused(tiny_src: Pat
 def test_options_are_validated() -> None:
     with pytest.raises(ValueError, match="--calib-data"):
         ConvertOptions(weights="int4", calibrate="gptq")
-    with pytest.raises(ValueError, match=r"--calibrate must be one of \('gptq',\), got 'awq'"):
-        ConvertOptions(weights="int4", calibrate="awq", calib_data="x")  # not offered until it works
+    with pytest.raises(ValueError, match=r"--calibrate must be one of \('gptq', 'awq', 'awq\+gptq'\), got 'smooth'"):
+        ConvertOptions(weights="int4", calibrate="smooth", calib_data="x")
     with pytest.raises(ValueError, match="--group-size must be one of"):
         ConvertOptions(weights="int4", group_size=48)
 
