@@ -13,7 +13,7 @@ from test_awq import _logits
 from test_checkpoint import make_tiny_folder, tiny_tokenizer
 
 from edgeinfer.models.pull import default_model_path
-from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
 from quant.checkpoint import load_checkpoint
 from quant.cli import quantize_main
 from quant.convert import ConvertOptions, convert
@@ -70,7 +70,7 @@ def test_export_reads_back_bit_exactly(tmp_path: Path, weights: str, group: int 
             want = _permute_rows(want, config.num_heads if "q_proj" in name else config.num_kv_heads)
         values = gguf.dequantize(t.data, t.tensor_type).reshape(want.shape)
         assert np.array_equal(values.astype(np.float32), want.numpy()), name
-    tokenizer = Tokenizer.from_gguf_metadata(back.tokenizer_metadata)
+    tokenizer = tokenizer_from_gguf(back.tokenizer_metadata)
     assert tokenizer.encode("to be, or not") == tiny_tokenizer().encode("to be, or not")
     assert tokenizer.eos_token_id == tiny_tokenizer().eos_token_id
 
