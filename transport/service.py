@@ -65,9 +65,8 @@ async def run_service(config: ServiceConfig) -> int:
                 if state_dir is not None:
                     daemon.write_state(state_dir, daemon.DaemonState(
                         pid=os.getpid(), host=config.server.host, port=server.port, model=name))
-                plan = getattr(engine, "memory_plan", None)
-                if plan is not None:
-                    print(f"edgeinfer: memory plan: {plan.describe()}", flush=True)
+                if engine.memory_plan is not None:
+                    print(f"edgeinfer: memory plan: {engine.memory_plan.describe()}", flush=True)
                 print(f"edgeinfer: serving {name} on {server.url}; chat page "
                       f"http://{config.server.host}:{server.port}/#token=<token in {auth.token_path()}>",
                       flush=True)
