@@ -208,11 +208,16 @@ def check_destination(dst: str | os.PathLike[str], force: bool) -> Path:
             raise FileExistsError(f"{dst} already exists; pass --force to overwrite it")
         if not dst.is_dir() or (any(dst.iterdir()) and not is_checkpoint(dst)):
             raise FileExistsError(f"{dst} exists and is not an edgeinfer checkpoint: refusing to replace it")
-    if not dst.parent.is_dir():
-        raise CheckpointError(f"cannot write {dst}: folder {dst.parent} does not exist")
-    if not os.access(dst.parent, os.W_OK):
-        raise CheckpointError(f"cannot write {dst}: folder {dst.parent} is read-only")
+    check_writable_folder(dst, CheckpointError)
     return dst
+
+
+def check_writable_folder(dst: Path, error: type[Exception]) -> None:
+    """Raise ``error`` naming DST unless its folder exists and can be written."""
+    if not dst.parent.is_dir():
+        raise error(f"cannot write {dst}: folder {dst.parent} does not exist")
+    if not os.access(dst.parent, os.W_OK):
+        raise error(f"cannot write {dst}: folder {dst.parent} is read-only")
 
 
 def save_checkpoint(

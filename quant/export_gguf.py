@@ -33,7 +33,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer
-from quant.checkpoint import load_checkpoint
+from quant.checkpoint import check_writable_folder, load_checkpoint
 from quant.convert import ConvertOptions, ConvertReport, convert
 from quant.formats import QuantizedTensor, unpack_int4
 from quant.gguf_arch import gguf_name, permutes_rope_rows
@@ -225,10 +225,7 @@ def check_gguf_destination(dst: str | os.PathLike[str], force: bool) -> Path:
         raise FileExistsError(f"{dst} is a folder; --format gguf writes one file")
     if dst.exists() and not force:
         raise FileExistsError(f"{dst} already exists; pass --force to overwrite it")
-    if not dst.parent.is_dir():
-        raise ModelFileError(f"cannot write {dst}: folder {dst.parent} does not exist")
-    if not os.access(dst.parent, os.W_OK):
-        raise ModelFileError(f"cannot write {dst}: folder {dst.parent} is read-only")
+    check_writable_folder(dst, ModelFileError)
     return dst
 
 
