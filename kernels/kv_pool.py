@@ -15,9 +15,9 @@ attention kernels only read it.
 
 from __future__ import annotations
 
+import math
 import mmap
 
-import numpy as np
 import torch
 
 from kernels.kv_quant import (
@@ -48,7 +48,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     requests have used. Page-aligned, so cache-line aligned as torch's own allocator gives."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     # frombuffer keeps the mapping alive as long as the tensor (and its views) live.
     return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
