@@ -41,6 +41,7 @@ from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer
 from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
 from quant.checkpoint import check_destination, save_checkpoint
+from quant.corpus import CALIB_TEXT
 from quant.formats import GROUP_SIZES, QuantizedTensor, quantize_int4, quantize_int8
 from quant.gguf_import import ModelFileError, check_weights, require_gguf_file
 from quant.nf4 import quantize_nf4
@@ -61,7 +62,7 @@ class ConvertOptions:
     weights: str
     group_size: int | None = None  # None: the format's default (DEFAULT_GROUP)
     calibrate: str | None = None
-    calib_data: str | None = None
+    calib_data: str | None = None  # None: quant.corpus.CALIB_TEXT
     calib_tokens: int = 4096
     calib_seqlen: int = 512
     skip: tuple[str, ...] = ()
@@ -83,8 +84,6 @@ class ConvertOptions:
                 raise ValueError(f"--calibrate {self.calibrate} quantizes to int4 or int8, not {self.weights}")
             if self.calibrate.startswith("awq") and self.weights != "int4":
                 raise ValueError(f"--calibrate {self.calibrate} scales for int4 groups; got --weights {self.weights}")
-            if not self.calib_data:
-                raise ValueError("--calibrate needs --calib-data FILE (a text file to calibrate on)")
         if self.calib_tokens < self.calib_seqlen or self.calib_seqlen < 16:
             raise ValueError(
                 f"need calib_tokens ({self.calib_tokens}) >= calib_seqlen ({self.calib_seqlen}) >= 16"
@@ -317,7 +316,7 @@ def convert(
         from quant.calibrate import GPTQCalibrator, calibration_tokens
 
         tokens = calibration_tokens(
-            source.tokenizer, Path(opts.calib_data), opts.calib_tokens, opts.calib_seqlen
+            source.tokenizer, Path(opts.calib_data or CALIB_TEXT), opts.calib_tokens, opts.calib_seqlen
         )
         calibrator = GPTQCalibrator(source.config, tokens)
     total = len(source.names)
