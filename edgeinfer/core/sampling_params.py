@@ -187,14 +187,33 @@ class SamplingParams:
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a client's request gets for a field it leaves unset where the model's own files say
+    nothing: one documented set for every front end (generate, chat, the web page, the websocket
+    protocol, the OpenAI API). A request built in code (a tool, a test: params_given None) is
+    taken as built; the model's files come first, so a model published as greedy stays greedy."""
+
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 512  # the answer's length; the engine also stops at the end of the context
+
+
+GENERATION_DEFAULTS = GenerationDefaults()
+
+
 def with_model_defaults(params: SamplingParams, given: frozenset[str],
                         defaults: Mapping[str, Any]) -> SamplingParams:
-    """`params` with the model's defaults in every MODEL_DEFAULT_FIELDS field the client did not
-    set (`given` names those it did). Raises InvalidParams if the mix is invalid. Beam search
-    takes none: it samples nothing, and refuses a repetition penalty."""
+    """`params` with, in every field the client did not set (`given` names those it did), the
+    model's default (MODEL_DEFAULT_FIELDS from `defaults`), else GENERATION_DEFAULTS'. Raises
+    InvalidParams if the mix is invalid. Beam search takes only max_tokens: it samples nothing,
+    and refuses a repetition penalty."""
+    documented = dataclasses.asdict(GENERATION_DEFAULTS)
     if params.beam_width:
-        return params
-    chosen = {k: v for k, v in defaults.items() if k in MODEL_DEFAULT_FIELDS and k not in given}
+        documented = {"max_tokens": documented["max_tokens"]}
+        defaults = {}
+    chosen = {**documented, **{k: v for k, v in defaults.items() if k in MODEL_DEFAULT_FIELDS}}
+    chosen = {k: v for k, v in chosen.items() if k not in given}
     return dataclasses.replace(params, **chosen) if chosen else params
 
 

@@ -116,16 +116,21 @@ def test_vocab_check():
 
 
 def test_model_defaults_fill_only_what_the_client_left_unset() -> None:
-    """generation_config.json's sampling fields apply where a request sets none; explicit wins."""
-    from edgeinfer.core.sampling_params import given_fields, with_model_defaults
+    """generation_config.json's sampling fields apply where a request sets none; explicit wins;
+    the documented defaults fill what neither sets."""
+    from edgeinfer.core.sampling_params import GENERATION_DEFAULTS, given_fields, with_model_defaults
 
-    defaults = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 9}
+    defaults = {"temperature": 0.3, "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 9}
     data = {"temperature": 1.0, "top_k": None, "max_tokens": 5}
     params = SamplingParams.from_dict(data)
     assert given_fields(data) == {"temperature", "max_tokens"}
     filled = with_model_defaults(params, given_fields(data), defaults)
     assert (filled.temperature, filled.top_p, filled.top_k, filled.repetition_penalty, filled.max_tokens) == (
-        1.0, 0.8, 20, 1.05, 5)
+        1.0, GENERATION_DEFAULTS.top_p, 20, 1.05, 5)
     assert with_model_defaults(params, frozenset(SamplingParams.__dataclass_fields__), defaults) == params
-    beams = SamplingParams(temperature=0.0, beam_width=2)
-    assert with_model_defaults(beams, frozenset(), defaults) == beams  # beams sample nothing
+    unset = with_model_defaults(SamplingParams(), frozenset(), {})
+    assert (unset.temperature, unset.top_p, unset.max_tokens) == (0.7, 0.95, 512)  # the README's table
+    assert with_model_defaults(SamplingParams(), frozenset(), defaults).temperature == 0.3  # the model's wins
+    beams = SamplingParams(temperature=0.0, beam_width=2, max_tokens=7)
+    assert with_model_defaults(beams, frozenset({"max_tokens"}), defaults) == beams  # beams sample nothing
+    assert with_model_defaults(beams, frozenset(), defaults).max_tokens == 512
