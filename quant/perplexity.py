@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +58,11 @@ def text_tokens(tokenizer: Tokenizer, path: str | Path, num_tokens: int) -> list
     return ids[:num_tokens]
 
 
-async def perplexity(engine: Engine, token_ids: Sequence[int], window: int = 512) -> PerplexityResult:
+async def perplexity(engine: Engine, token_ids: Sequence[int], window: int = 512,
+                     progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity over ``token_ids`` in non-overlapping windows (the last partial one included),
-    each window one request to ``engine``. Raises ValueError if the engine refuses or fails one."""
+    each window one request to ``engine``; ``progress(done, total)`` after each window. Raises
+    ValueError if the engine refuses or fails one."""
     if window < 2:
         raise ValueError(f"window must be at least 2 tokens, got {window}")
     if len(token_ids) < 2:
@@ -70,6 +72,7 @@ async def perplexity(engine: Engine, token_ids: Sequence[int], window: int = 512
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     slots = anyio.Semaphore(MAX_WINDOWS_IN_FLIGHT)
     failures: list[str] = []
+    done = [0]
 
     async def score(index: int) -> None:
         async with slots:
@@ -80,6 +83,10 @@ async def perplexity(engine: Engine, token_ids: Sequence[int], window: int = 512
                 elif isinstance(event, Error):  # the other windows are cancelled: the figure is lost
                     failures.append(f"window {index} of {len(windows)} failed: {event.code}: {event.message}")
                     tg.cancel_scope.cancel()
+                    return
+        done[0] += 1
+        if progress:
+            progress(done[0], len(windows))
 
     async with anyio.create_task_group() as tg:
         for index in range(len(windows)):

@@ -71,7 +71,7 @@ def _size(path: Path) -> int:
 def _convert(src: str, dst: Path, extra: list[str]) -> tuple[float, float]:
     """Run the converter as a child; (seconds, peak RSS in MiB)."""
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "quant.cli", "quantize", src, str(dst), "-q", "--force", *extra]
+    cmd = [sys.executable, "-m", "edgeinfer.cli", "quantize", src, str(dst), "-q", "--force", *extra]
     # Linux folds the RSS a child had when it was forked into its ru_maxrss across exec; forked
     # from this (large) process it would report our size. A small wrapper forks the converter.
     out = subprocess.run([sys.executable, "-c", _MAXRSS_WRAPPER, *cmd], cwd=REPO, capture_output=True, text=True)

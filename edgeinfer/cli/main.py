@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import re
 import resource
 import sys
@@ -17,9 +16,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeinfer.cli.models import add_model_commands
-from edgeinfer.cli.options import HelpFormatter, add_runtime_args, model_path, runtime_config, version
+from edgeinfer.cli.options import (
+    HelpFormatter,
+    add_log_level,
+    add_runtime_args,
+    model_path,
+    runtime_config,
+    setup_logging,
+    version,
+)
 from edgeinfer.config import RuntimeConfig
+from edgeinfer.core.sampling_params import GENERATION_DEFAULTS
 from edgeinfer.models.host_memory import return_large_frees_to_the_os
+from quant.corpus import EVAL_TEXT
 
 if TYPE_CHECKING:
     from edgeinfer.core.events import Finished
@@ -73,9 +82,10 @@ def _one_request_runtime(args: argparse.Namespace, tokens: int, sequences: int =
     return dataclasses.replace(runtime, num_kv_blocks=(-(-tokens // runtime.block_size) + 1) * sequences)
 
 
-# generate's sampling flags and what each is when not given: greedy, unless the model's own
-# generation_config.json says otherwise (the engine fills the fields not given from it).
-_SAMPLING_FLAG_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+# generate's sampling flags and what each is when not given: the engine replaces these with the
+# model's generation_config.json, else core.sampling_params.GENERATION_DEFAULTS (as for every front end).
+_SAMPLING_FLAG_DEFAULTS = {"temperature": GENERATION_DEFAULTS.temperature, "top_p": GENERATION_DEFAULTS.top_p,
+                           "top_k": 0, "max_tokens": GENERATION_DEFAULTS.max_tokens}
 
 
 def _given_sampling_flags(args: argparse.Namespace) -> frozenset[str]:
@@ -84,7 +94,12 @@ def _given_sampling_flags(args: argparse.Namespace) -> frozenset[str]:
     for name, default in _SAMPLING_FLAG_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    args.temperature_given = "temperature" in given
     return given
+
+
+_TEMPERATURE_HELP = (f"0: greedy (the likeliest token each step); higher: more varied answers; default: the model's "
+                     f"generation_config.json, else {GENERATION_DEFAULTS.temperature}")
 
 
 def _generate_params(args: argparse.Namespace) -> SamplingParams:
@@ -105,7 +120,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
             raise ValueError("--num-results chooses among beam search's results: give --beam-width too")
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
-    conflicts = [flag for flag, on in (("--temperature", args.temperature != 0), ("--stop", bool(args.stop)),
+    sampled = args.temperature_given and args.temperature != 0
+    conflicts = [flag for flag, on in (("--temperature", sampled), ("--stop", bool(args.stop)),
                                        ("--speculative", bool(args.speculative)),
                                        ("--draft-model", bool(args.draft_model))) if on]
     if conflicts:
@@ -160,8 +176,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     async def run() -> dict[str, object]:
         config = EngineConfig(str(model_path(args.model)), runtime, SchedulerConfig())
         async with Engine(config) as engine:
-            text = corpus.read_text()[: args.prompt_tokens * 8] if corpus.is_file() else ""
-            ids = tuple(engine.tokenizer.encode(text) or range(100, 100 + args.prompt_tokens))[: args.prompt_tokens]
+            ids = tuple(engine.tokenizer.encode(corpus.read_text()[: args.prompt_tokens * 8]))[: args.prompt_tokens]
+            if len(ids) < args.prompt_tokens:
+                raise ValueError(f"--text {corpus} has only {len(ids)} tokens in its first "
+                                 f"{args.prompt_tokens * 8} characters; --prompt-tokens asks for {args.prompt_tokens}")
             await finished(engine, "warm-up", ids[::-1], 2)  # the same step sizes; shares no prefix
             prefill = (await finished(engine, "prefill", ids, 1)).usage
             decode = (await finished(engine, "decode", ids, args.new_tokens + 1)).usage
@@ -195,19 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgeinfer", description="Quantized LLM inference at the edge.",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"edgeinfer {version()}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     add_model_commands(sub)
 
     gen = sub.add_parser("generate", help="complete one prompt; prints only the completion",
                          formatter_class=HelpFormatter)
     gen.add_argument("prompt", help="the user's message (sent through the chat template unless --no-chat)")
-    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens of the answer")
-    gen.add_argument("--temperature", type=float,
-                     help="0: greedy (the likeliest token each step); default: the model's generation_config.json, "
-                          "else 0")
+    gen.add_argument("--max-tokens", type=int, help=f"most tokens of the answer (default: "
+                                                    f"{GENERATION_DEFAULTS.max_tokens})")
+    gen.add_argument("--temperature", type=float, help=_TEMPERATURE_HELP)
     gen.add_argument("--top-p", type=float, help="sample from the smallest set of tokens this likely; default: the "
-                                                 "model's generation_config.json, else 1")
+                                                 f"model's generation_config.json, else {GENERATION_DEFAULTS.top_p}")
     gen.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (0: all); default: the model's "
                                                "generation_config.json, else 0")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling (the same seed, the same answer)")
@@ -232,16 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time prefill and greedy decode", formatter_class=HelpFormatter)
     bench.add_argument("--prompt-tokens", type=int, default=256, help="prompt length")
     bench.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded")
-    bench.add_argument("--text", default=str(Path(__file__).resolve().parents[3] / "shared/data/tinyshakespeare.txt"),
-                       help="text the prompt is cut from (falls back to synthetic ids)")
+    bench.add_argument("--text", default=str(EVAL_TEXT), help="text the prompt is cut from")
     bench.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     add_runtime_args(bench, memory_budget=False)
     bench.set_defaults(func=cmd_bench)
 
     chat = sub.add_parser("chat", help="streaming chat in the terminal (uses the daemon when it runs)",
                           formatter_class=HelpFormatter)
-    chat.add_argument("--max-tokens", type=int, default=512, help="most tokens of each answer")
-    chat.add_argument("--temperature", type=float, default=0.7, help="0: greedy; higher: more varied answers")
+    chat.add_argument("--max-tokens", type=int, help=f"most tokens of each answer (default: "
+                                                     f"{GENERATION_DEFAULTS.max_tokens})")
+    chat.add_argument("--temperature", type=float, help=_TEMPERATURE_HELP)
     chat.add_argument("--no-daemon", action="store_true", help="run the engine in this process even if a daemon runs")
     add_runtime_args(chat)
     chat.set_defaults(func=cmd_chat)
@@ -250,7 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
                            ("quantize", "convert a model to an edgeinfer checkpoint"),
                            ("eval-ppl", "perplexity of a model on a text")):
         sub.add_parser(name, help=helptext, add_help=False)
+    for command in subcommands(parser).values():
+        if command.add_help:
+            add_log_level(command)
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of ``parser``'s subcommands, by name."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     # Subcommands implemented elsewhere take their own argv.
     if argv and argv[0] in ("quantize", "eval-ppl", "serve", "daemon"):
         if argv[0] in ("quantize", "eval-ppl"):
-            from quant import cli as quant_cli
+            from edgeinfer.cli import quantize as quant_cli
 
             run = quant_cli.quantize_main if argv[0] == "quantize" else quant_cli.eval_ppl_main
         else:
@@ -269,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(argv[1:])
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     try:
         return args.func(args)
     except (OSError, ValueError, RuntimeError) as exc:  # a file, the network, a bad value: one line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from pathlib import Path
 
@@ -47,10 +48,28 @@ class HelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         if (default is None or default is False or default == argparse.SUPPRESS
+                or isinstance(action, argparse._StoreConstAction)
                 or isinstance(default, (tuple, list)) and not any(default)
                 or "default" in text or "%(default)" in text or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    """--log-level and -v, its short form for info: the same two flags in every command."""
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                   help="what edgeinfer logs on stderr (info: what the engine and server do)")
+    p.add_argument("-v", dest="log_level", action="store_const", const="info", help="short for --log-level info")
+
+
+def setup_logging(level: str) -> None:
+    """Log at ``level`` (one of LOG_LEVELS) on stderr, once per process."""
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level not in ("debug", "info"):  # uvicorn logs its start, every close and its shutdown steps at INFO
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
 
 
 def version() -> str:

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 from pathlib import Path
 
-from edgeinfer.cli.options import HelpFormatter, add_runtime_args, model_path, runtime_config
+from edgeinfer.cli.options import (
+    HelpFormatter,
+    add_log_level,
+    add_runtime_args,
+    model_path,
+    runtime_config,
+    setup_logging,
+)
 from edgeinfer.config import SchedulerConfig
 from edgeinfer.models.host_memory import return_large_frees_to_the_os
 from transport import auth, daemon
@@ -41,7 +47,7 @@ def _serve_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-frame-bytes", type=int, default=1 << 20, help="largest websocket frame accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     p.add_argument("--allow-origin", action="append", default=[], help="extra browser Origin to allow")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what the server and engine do (INFO)")
+    add_log_level(p)
     p.add_argument("--daemon-state", help=argparse.SUPPRESS)  # set by `edgeinfer daemon start`
     return p
 
@@ -51,10 +57,8 @@ def serve_main(argv: list[str]) -> int:
 
     args = _serve_parser("edgeinfer serve").parse_args(argv)
     return_large_frees_to_the_os()  # also when the daemon starts this module directly
-    logging.basicConfig(level=logging.INFO if args.verbose or args.daemon_state else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # uvicorn logs its start, every close and its shutdown steps at INFO
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    # The daemon's log file records what the server does unless a level was asked for.
+    setup_logging("info" if args.daemon_state and args.log_level == "warning" else args.log_level)
     try:
         server = ServerConfig(token=auth.load_or_create_token(), host=args.host, port=args.port,
                               max_connections=args.max_connections,
@@ -73,19 +77,29 @@ def serve_main(argv: list[str]) -> int:
         return 2
 
 
-def daemon_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="edgeinfer daemon", description="The server in the background.")
+def _daemon_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgeinfer daemon", description="The server in the background.",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
     start = sub.add_parser("start", help="start in the background (same flags as `edgeinfer serve`)",
                            add_help=False)
     start.add_argument("--wait", type=float, default=180.0, help="seconds to wait for the model to load")
-    stop = sub.add_parser("stop", help="stop, letting in-flight requests finish")
-    stop.add_argument("--timeout", type=float, default=40.0)
-    sub.add_parser("status", help="is it running, where, and the chat page URL")
-    logs = sub.add_parser("logs", help="print the log")
-    logs.add_argument("-n", "--lines", type=int, default=50)
-    logs.add_argument("-f", "--follow", action="store_true")
+    stop = sub.add_parser("stop", help="stop, letting in-flight requests finish", formatter_class=HelpFormatter)
+    stop.add_argument("--timeout", type=float, default=40.0, help="seconds to wait before killing it")
+    status = sub.add_parser("status", help="is it running, where, and the chat page URL",
+                            formatter_class=HelpFormatter)
+    logs = sub.add_parser("logs", help="print the log", formatter_class=HelpFormatter)
+    logs.add_argument("-n", "--lines", type=int, default=50, help="how many of the last lines")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing lines as they are written")
+    for command in (stop, status, logs):
+        add_log_level(command)
+    return parser
+
+
+def daemon_main(argv: list[str]) -> int:
+    parser = _daemon_parser()
     args, rest = parser.parse_known_args(argv)
+    setup_logging(getattr(args, "log_level", "warning"))  # start: the daemon's server logs to its own file
     directory = daemon.state_dir()
     try:
         if args.action == "start":
@@ -131,7 +145,8 @@ def chat_main(args: argparse.Namespace) -> int:
     """`edgeinfer chat` (flags parsed by edgeinfer.cli.main: max_tokens, temperature and model flags)."""
     from transport.chat import chat_repl, open_chat_backend, read_lines
 
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    # Only what the user typed: the engine fills the rest as for every front end (GENERATION_DEFAULTS).
+    params = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
     use_daemon = not args.no_daemon
 
     async def main() -> int:

@@ -131,7 +131,7 @@ def test_perplexity_windows_equal_transformers(loaded_model, model, hf_reference
 def test_eval_ppl_scores_the_checkpoint_on_every_path(default_model_path, tmp_path, capsys) -> None:  # noqa: ANN001
     """eval-ppl reads the checkpoint's own output layer on the int4 CPU path too (the served int4
     copy would move the default model's figure by 1.3%), so the paths agree."""
-    from quant.cli import eval_ppl_main
+    from edgeinfer.cli.quantize import eval_ppl_main
 
     text = tmp_path / "t.txt"
     text.write_text(TEXT * 12)

@@ -204,8 +204,8 @@ def test_show_reads_a_checkpoints_formats(tmp_path: Path) -> None:
 
 
 def test_quantize_and_eval_ppl_take_names(stores: Stores, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """quant/cli.py resolves names through the store too (it may not import edgeinfer/cli)."""
-    from quant.cli import eval_ppl_main, quantize_main
+    """quantize and eval-ppl resolve names through the store too."""
+    from edgeinfer.cli.quantize import eval_ppl_main, quantize_main
 
     assert quantize_main(["tiny-lama", str(tmp_path / "out"), "--weights", "int8", "-q"]) == 2
     assert "no model named 'tiny-lama': did you mean tiny-llama" in capsys.readouterr().err

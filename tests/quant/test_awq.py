@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 from test_checkpoint import TINY, make_tiny_folder, tiny_weights
 
+from edgeinfer.cli.quantize import quantize_main
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
@@ -18,7 +19,6 @@ from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from quant.awq import fold_scale, search_scale
 from quant.checkpoint import load_checkpoint
-from quant.cli import quantize_main
 from quant.convert import ConvertOptions, convert, convert_weight
 from quant.hf_import import load_hf_folder
 from quant.weight_error import dense

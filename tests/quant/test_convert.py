@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_checkpoint import TINY, make_tiny_folder, tiny_weights
 
+from edgeinfer.cli.quantize import eval_ppl_main, quantize_main
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.loader import load_model
 from edgeinfer.models.pull import default_model_path
@@ -22,7 +23,6 @@ from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from quant.calibrate import GPTQCalibrator, gptq_quantize, hessian
 from quant.checkpoint import load_checkpoint
-from quant.cli import eval_ppl_main, quantize_main
 from quant.convert import ConvertOptions, convert, convert_weight, target_format
 from quant.formats import QuantizedTensor, quantize_int4
 from quant.gguf_import import ModelFileError
@@ -144,13 +144,11 @@ def test_gptq_beats_round_to_nearest() -> None:
 
 
 def test_gptq_conversion_end_to_end(tiny_src: Path, tmp_path: Path) -> None:
-    text = tmp_path / "calib.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    """Without --calib-data, calibration reads the excerpt that ships with edgeinfer (quant.corpus)."""
     opts = ConvertOptions(
         weights="int4",
         group_size=64,
         calibrate="gptq",
-        calib_data=str(text),
         calib_tokens=256,
         calib_seqlen=64,
     )
@@ -171,8 +169,6 @@ def test_calibration_sequences_longer_than_the_context_are_refused(tiny_src: Pat
 
 
 def test_options_are_validated() -> None:
-    with pytest.raises(ValueError, match="--calib-data"):
-        ConvertOptions(weights="int4", calibrate="gptq")
     with pytest.raises(ValueError, match=r"--calibrate must be one of \('gptq', 'awq', 'awq\+gptq'\), got 'smooth'"):
         ConvertOptions(weights="int4", calibrate="smooth", calib_data="x")
     with pytest.raises(ValueError, match="--group-size must be one of"):
@@ -191,7 +187,8 @@ def test_cli_refuses_overwrite_then_forces(
     assert load_checkpoint(dst)[1]["model.layers.0.mlp.up_proj.weight"].format == "int4"
 
 
-def test_cli_eval_ppl(tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_eval_ppl(tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
     dst = tmp_path / "out"
     convert(tiny_src, dst, ConvertOptions(weights="int4"), **QUIET)
     text = tmp_path / "t.txt"
@@ -207,6 +204,10 @@ def test_cli_eval_ppl(tiny_src: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     text.write_text("to be or not to be, that is the question. " * 40)
     assert eval_ppl_main([str(dst), "--text", str(text), "--tokens", "300", "--window", "300"]) == 2
     assert "prompt_too_long" in capsys.readouterr().err  # the tiny model's context is 256 tokens
+    monkeypatch.chdir(tmp_path)  # the default text ships with edgeinfer: found from any folder
+    assert eval_ppl_main([str(dst), "--tokens", "100", "--window", "64"]) == 0
+    captured = capsys.readouterr()
+    assert "shakespeare_eval.txt" in captured.err and "98 tokens in 2 windows" in captured.out
 
 
 _KILL_SCRIPT = """

@@ -12,10 +12,10 @@ import torch
 from test_awq import _logits
 from test_checkpoint import make_tiny_folder, tiny_tokenizer
 
+from edgeinfer.cli.quantize import quantize_main
 from edgeinfer.models.pull import default_model_path
 from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
 from quant.checkpoint import load_checkpoint
-from quant.cli import quantize_main
 from quant.convert import ConvertOptions, convert
 from quant.export_gguf import _permute_rows, export_gguf
 from quant.formats import QuantizedTensor

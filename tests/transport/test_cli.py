@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 
 def _edgeinfer(*args: str, model) -> subprocess.CompletedProcess:  # noqa: ANN001
     cmd = [sys.executable, "-m", "edgeinfer.cli", *args, "--model", str(model)]
@@ -106,19 +108,32 @@ def test_memory_plan_flags() -> None:
     assert result.returncode == 2 and "unrecognized arguments: --kv-memory" in result.stderr, result.stderr
 
 
-def test_every_option_explains_itself() -> None:
-    """--help gives every option of every subcommand a description; --version answers."""
-    from edgeinfer.cli.main import build_parser
-    from edgeinfer.cli.serve import _serve_parser
-    from quant.cli import _ppl_parser, _quantize_parser
+def test_every_option_explains_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--help gives every option of every subcommand a description and shows its default, the same
+    --log-level / -v everywhere; --version answers."""
+    monkeypatch.setenv("COLUMNS", "4000")  # one line per option: wrapping splits words at hyphens
+    from edgeinfer.cli.main import build_parser, subcommands
+    from edgeinfer.cli.quantize import _ppl_parser, _quantize_parser
+    from edgeinfer.cli.serve import _daemon_parser, _serve_parser
 
-    main = build_parser()
-    subcommands = next(a for a in main._actions if isinstance(a, argparse._SubParsersAction)).choices
-    parsers = [main, *(p for p in subcommands.values() if p.add_help), _quantize_parser(), _ppl_parser(),
-               _serve_parser("edgeinfer serve")]
+    main, daemon = build_parser(), _daemon_parser()
+    commands = [p for p in (*subcommands(main).values(), *subcommands(daemon).values()) if p.add_help]
+    commands += [_quantize_parser(), _ppl_parser(), _serve_parser("edgeinfer serve")]
+    parsers = [main, daemon, *commands]
     silent = [f"{p.prog} {'/'.join(a.option_strings) or a.dest}" for p in parsers for a in p._actions
               if not a.help and not isinstance(a, argparse._SubParsersAction)]
     assert not silent, silent
+    switch = (argparse._StoreTrueAction, argparse._StoreConstAction, argparse._HelpAction, argparse._VersionAction)
+    for parser in parsers:
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            unset = action.default in (None, argparse.SUPPRESS, [], (None, None))
+            if action.option_strings and not unset and not isinstance(action, switch):
+                shown = " ".join(f"{action.help} (default: {action.default})".split())
+                assert shown in text or "default" in action.help, f"{parser.prog} {action.option_strings}"
+    for parser in commands:
+        flags = {s for a in parser._actions for s in a.option_strings}
+        assert {"--log-level", "-v"} <= flags, parser.prog
     result = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("edgeinfer ")
 

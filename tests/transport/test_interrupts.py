@@ -59,7 +59,7 @@ def test_eval_ppl(default_model_path, tmp_path) -> None:  # noqa: ANN001
 
 
 def test_generate(default_model_path, tmp_path) -> None:  # noqa: ANN001
-    status, stderr = interrupt(["-v", "generate", "Tell me a long story.", "--max-tokens", "4000",
+    status, stderr = interrupt(["generate", "-v", "Tell me a long story.", "--max-tokens", "4000",
                                 "--model", str(default_model_path)], "engine ready", tmp_path)
     assert status == 130
     assert_one_line(stderr, "generate")

@@ -12,19 +12,20 @@ import sys
 import time
 from typing import Any
 
+from edgeinfer.cli.options import HelpFormatter, add_log_level, setup_logging
 from edgeinfer.config import KV_DTYPES, LINEAR_PATHS
 from edgeinfer.models.store import resolve_model
+from quant.corpus import EVAL_TEXT
 from quant.formats import GROUP_SIZES
 from quant.gguf_import import ModelFileError
-
-DEFAULT_TEXT = "../shared/data/tinyshakespeare.txt"
 
 
 def _quantize_parser() -> argparse.ArgumentParser:
     from quant.convert import CALIBRATION_METHODS, WEIGHT_FORMATS
 
     p = argparse.ArgumentParser(
-        prog="edgeinfer quantize", description="Convert a model into an edgeinfer checkpoint."
+        prog="edgeinfer quantize", description="Convert a model into an edgeinfer checkpoint.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected), or its "
                    "name from `edgeinfer list`")
@@ -39,7 +40,8 @@ def _quantize_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", choices=CALIBRATION_METHODS,
                    help="calibrate on --calib-data: gptq (error-minimising rounding), awq (activation-aware "
                         "channel scales, int4), awq+gptq (both)")
-    p.add_argument("--calib-data", help="text file to calibrate on")
+    p.add_argument("--calib-data", help="text file to calibrate on (default: the 64 KiB of Shakespeare that ships "
+                                        "with edgeinfer, quant/data/shakespeare_calib.txt, disjoint from eval-ppl's)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="calibration sequence length (default 512)")
     p.add_argument(
@@ -53,25 +55,26 @@ def _quantize_parser() -> argparse.ArgumentParser:
                    help="edgeinfer checkpoint folder (default), or one GGUF file for llama.cpp / ollama "
                         "(int4 as Q4_1, int8 as Q8_0, with fp16 scales so the file holds exactly these weights)")
     p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint at DST")
-    p.add_argument(
-        "-v", "--verbose", action="store_true", help="print each weight's format and relative error"
-    )
+    add_log_level(p)  # info (-v) also prints each weight's format and relative error
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
 
-class WeightProgress:
-    """A tqdm bar on stderr for convert's ``progress``: weights done, the last one's name."""
+class ProgressBar:
+    """A tqdm bar on stderr for a ``progress(done, total[, name])`` callback: convert's weights
+    (with the last one's name), eval-ppl's windows."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit: str) -> None:
+        self.unit = unit
         self.bar: Any = None
 
-    def __call__(self, done: int, total: int, name: str) -> None:
+    def __call__(self, done: int, total: int, name: str = "") -> None:
         from tqdm import tqdm
 
         if self.bar is None:
-            self.bar = tqdm(total=total, unit="weight", file=sys.stderr, dynamic_ncols=True)
-        self.bar.set_postfix_str(name, refresh=False)
+            self.bar = tqdm(total=total, unit=self.unit, file=sys.stderr, dynamic_ncols=True)
+        if name:
+            self.bar.set_postfix_str(name, refresh=False)
         self.bar.update(done - self.bar.n)
         if done == total:
             self.close()
@@ -86,7 +89,8 @@ def quantize_main(argv: list[str]) -> int:
     from quant.convert import ConvertOptions, convert
 
     args = _quantize_parser().parse_args(argv)
-    progress = WeightProgress()
+    setup_logging(args.log_level)
+    progress = ProgressBar("weight")
     try:
         opts = ConvertOptions(
             weights=args.weights,
@@ -97,7 +101,7 @@ def quantize_main(argv: list[str]) -> int:
             calib_seqlen=args.calib_seqlen,
             skip=tuple(args.skip),
             force=args.force,
-            verbose=args.verbose,
+            verbose=args.log_level in ("info", "debug"),
         )
         src, shown = str(resolve_model(args.src)), None if args.quiet else progress
         if args.format == "gguf":
@@ -120,15 +124,19 @@ def quantize_main(argv: list[str]) -> int:
 
 def _ppl_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="edgeinfer eval-ppl", description="Perplexity over a fixed slice of a text."
+        prog="edgeinfer eval-ppl", description="Perplexity over a fixed slice of a text.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model", help="GGUF file, HF folder or edgeinfer checkpoint, or its name from `edgeinfer list`")
-    p.add_argument("--text", default=DEFAULT_TEXT, help=f"text file (default {DEFAULT_TEXT})")
+    p.add_argument("--text", help="text file to score (default: the 64 KiB of Shakespeare that ships with "
+                                  "edgeinfer, quant/data/shakespeare_eval.txt)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens of the text to score (default 4096)")
     p.add_argument("--window", type=int, default=512, help="window length (default 512)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32", help="K and V cache format (default fp32)")
     p.add_argument("--linear-path", choices=LINEAR_PATHS, default="reference",
                    help="linear kernels (default reference: exact fp32, the figure measures the weights alone)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_log_level(p)
     return p
 
 
@@ -141,6 +149,8 @@ def eval_ppl_main(argv: list[str]) -> int:
     from quant.perplexity import PerplexityResult, engine_config, perplexity, text_tokens
 
     args = _ppl_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    text = args.text or str(EVAL_TEXT)
 
     async def run() -> PerplexityResult:
         # The checkpoint's own head: the figure measures the format, and the same text on the same
@@ -148,18 +158,21 @@ def eval_ppl_main(argv: list[str]) -> int:
         runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype, exact_head=True)
         print(f"edgeinfer eval-ppl: loading {args.model} ...", file=sys.stderr, flush=True)
         async with Engine(engine_config(str(resolve_model(args.model)), args.window, runtime)) as engine:
-            token_ids = text_tokens(engine.tokenizer, args.text, args.tokens)
-            print(f"edgeinfer eval-ppl: scoring {len(token_ids)} tokens of {args.text} in windows of {args.window}",
+            token_ids = text_tokens(engine.tokenizer, text, args.tokens)
+            print(f"edgeinfer eval-ppl: scoring {len(token_ids)} tokens of {text} in windows of {args.window}",
                   file=sys.stderr, flush=True)
-            return await perplexity(engine, token_ids, window=args.window)
+            return await perplexity(engine, token_ids, window=args.window, progress=None if args.quiet else progress)
 
+    progress = ProgressBar("window")
     try:
         start = time.perf_counter()
         result = anyio.run(run)
     except (ValueError, OSError, ModelFileError) as exc:
+        progress.close()
         print(f"edgeinfer eval-ppl: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        progress.close()
         print("\nedgeinfer eval-ppl: interrupted", file=sys.stderr)
         return 130
     print(
@@ -168,11 +181,3 @@ def eval_ppl_main(argv: list[str]) -> int:
         f"{time.perf_counter() - start:.1f} s)"
     )
     return 0
-
-
-if __name__ == "__main__":
-    commands = {"quantize": quantize_main, "eval-ppl": eval_ppl_main}
-    if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print(f"usage: python -m quant.cli {{{','.join(commands)}}} ...", file=sys.stderr)
-        raise SystemExit(2)
-    raise SystemExit(commands[sys.argv[1]](sys.argv[2:]))
