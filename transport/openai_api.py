@@ -51,6 +51,7 @@ from transport.openai_schema import (
     TokenizeRequest,
     chat_messages,
     completion_prompts,
+    given_fields,
     invalid,
     parse,
     sampling_params,
@@ -170,7 +171,8 @@ class OpenAIApi:
         params = sampling_params(body)
         reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
                        bool(body.stream_options and body.stream_options.include_usage))
-        gen = GenerateRequest(self._engine_id(), messages=chat_messages(body), params=params)
+        gen = GenerateRequest(self._engine_id(), messages=chat_messages(body), params=params,
+                              params_given=given_fields(body))
         return await self._answer([gen], reply, body.stream, "messages")
 
     async def _completions(self, request: Request) -> Response:
@@ -179,8 +181,9 @@ class OpenAIApi:
         params = sampling_params(body)
         reply = _Reply(False, self.server.model_name, body.n, body.logprobs is not None,
                        bool(body.stream_options and body.stream_options.include_usage))
-        gens = [GenerateRequest(self._engine_id(), prompt=p, params=params) if isinstance(p, str) else
-                GenerateRequest(self._engine_id(), prompt_token_ids=p, params=params)
+        given = given_fields(body)
+        gens = [GenerateRequest(self._engine_id(), prompt=p, params=params, params_given=given) if isinstance(p, str)
+                else GenerateRequest(self._engine_id(), prompt_token_ids=p, params=params, params_given=given)
                 for p in completion_prompts(body)]
         return await self._answer(gens, reply, body.stream, "prompt")
 

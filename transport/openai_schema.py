@@ -208,3 +208,10 @@ def sampling_params(request: ChatRequest | CompletionRequest) -> SamplingParams:
         field = str(exc).split(" ", 1)[0]
         param = names.get(field, field)
         raise invalid(param, f"{param}{str(exc)[len(field):]}") from None
+
+
+def given_fields(request: ChatRequest | CompletionRequest) -> frozenset[str]:
+    """The SamplingParams fields the client set (not null): the engine fills the others with the
+    model's generation defaults, then edgeinfer's (core.sampling_params.GENERATION_DEFAULTS)."""
+    typed = {k for k in request.model_fields_set if getattr(request, k) is not None}
+    return frozenset(typed | ({"max_tokens"} if "max_completion_tokens" in typed else set()))

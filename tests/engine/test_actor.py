@@ -203,9 +203,10 @@ async def test_the_models_sampling_defaults_fill_what_a_client_left_unset() -> N
             def tokens(events: list) -> list[int]:
                 return [t for e in events if isinstance(e, Token) for t in e.token_ids]
 
-            unset = await collect(engine, GenerateRequest("a", prompt="hello", params=hot, params_given=frozenset()))
+            typed = frozenset({"max_tokens", "seed", "top_p"})
+            unset = await collect(engine, GenerateRequest("a", prompt="hello", params=hot, params_given=typed))
             assert tokens(unset) == expected_tokens(tokenizer.encode("hello"), 8)
             own = await collect(engine, GenerateRequest("b", prompt="hello", params=hot,
-                                                        params_given=frozenset({"temperature"})))
+                                                        params_given=typed | {"temperature"}))
             tool = await collect(engine, GenerateRequest("c", prompt="hello", params=hot))
             assert tokens(own) == tokens(tool) != tokens(unset)

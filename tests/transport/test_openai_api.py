@@ -221,3 +221,17 @@ def test_overload_unhealthy_and_disconnect_with_the_echo_engine() -> None:
                 assert 'edgeinfer_errors_total{code="rate_limit_exceeded"} 1.0' in metrics
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_fields_a_client_leaves_unset_take_the_generation_defaults() -> None:
+    """The API names the fields the client set (not null), so the engine fills the rest with the
+    model's defaults, then GENERATION_DEFAULTS, as for every front end."""
+    from edgeinfer.core.sampling_params import with_model_defaults
+    from transport.openai_schema import ChatRequest, given_fields, parse, sampling_params
+
+    body = parse(ChatRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                               "temperature": None, "top_p": 0.5, "max_completion_tokens": 3})
+    filled = with_model_defaults(sampling_params(body), given_fields(body), {"top_k": 7})
+    assert (filled.temperature, filled.top_p, filled.top_k, filled.max_tokens) == (0.7, 0.5, 7, 3)
+    bare = parse(ChatRequest, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert with_model_defaults(sampling_params(bare), given_fields(bare), {}).max_tokens == 512
