@@ -1,13 +1,23 @@
-"""Serving benchmark: N concurrent streams through the Engine, on the CPU by default.
+"""Serving benchmark: N concurrent streams, through the engine, its OpenAI HTTP API, and llama.cpp.
 
-For each N in --streams, N greedy requests (distinct prompts of --prompt-tokens tokens, so the
-prefix cache does not help; --new-tokens each, EOS ignored) start together. Reported per N:
-aggregate decode tok/s (tokens after each stream's first, over the span from the first first
-token to the last token), p50/p95 TTFT and TPOT (from each request's Usage), and the speedup
-over one stream. Targets from issue 3: 16 streams >= 5x the throughput of 1 stream, and TPOT p95
-at 16 streams <= 3x the single-stream TPOT.
+For each N in --streams, N greedy requests (distinct prompts of --prompt-tokens token ids, so the
+prefix cache does not help; --new-tokens each, EOS ignored) start together. Targets (--target):
 
-    python tools/bench_serving.py --streams 1 4 16 64 --new-tokens 64 [--json]
+- ``engine``: edgeinfer's Engine in this process (request times from each request's Usage).
+- ``openai``: ``edgeinfer serve`` in a subprocess, driven over ``POST /v1/completions`` with
+  ``stream: true`` by the HTTP client below (times taken at the client).
+- ``llama-server``: llama.cpp's server (``$LLAMA_CPP_BIN``, see tools/build_llama_cpp.sh) with
+  ``--parallel`` = the largest N, the same GGUF and threads, driven by the same client.
+- ``llama-batched-bench``: llama.cpp's ``llama-batched-bench -npp P -ntg T -npl N`` (its own
+  timing: prefill of all N prompts, then N streams decoding in lockstep).
+
+Reported per target and N: aggregate decode tok/s (tokens after each stream's first, over the span
+from the first first token to the last token), p50/p95 TTFT and TPOT, and the speedup over one
+stream. With --runs R the targets alternate R times (this machine is shared: the spread matters);
+the summary gives median (min-max) per figure and ratios of each target to the first.
+
+    eval "$(tools/build_llama_cpp.sh)"   # for the llama.cpp targets
+    python tools/bench_serving.py --target engine openai llama-server --streams 1 4 16 --runs 3
 """
 
 from __future__ import annotations
@@ -15,11 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import anyio
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,7 +44,11 @@ from edgeinfer.core.events import Error, Finished  # noqa: E402
 from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
 from edgeinfer.engine.api import Engine, EngineConfig  # noqa: E402
+from edgeinfer.models.loader import load_model  # noqa: E402
 from edgeinfer.models.pull import default_model_path  # noqa: E402
+
+TARGETS = ("engine", "openai", "llama-server", "llama-batched-bench")
+FIGURES = ("decode_tok_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -36,100 +56,244 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else 0.0
 
 
-def prompt_ids(engine: Engine, stream: int, num_tokens: int) -> tuple[int, ...]:
+def prompt_ids(encode, stream: int, num_tokens: int) -> list[int]:  # noqa: ANN001
     text = f"Story number {stream}. " + "Once upon a time, in a land far away, there lived a king. " * 64
-    return tuple(engine.tokenizer.encode(text)[:num_tokens])
+    return list(encode(text)[:num_tokens])
 
 
-async def run_round(engine: Engine, num_streams: int, prompt_tokens: int, new_tokens: int,
-                    round_id: str) -> dict[str, float]:
-    finished: list[tuple[float, Finished]] = []  # (wall time of the last token, event)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+def round_figures(num_streams: int, streams: list[tuple[float, float, int]], wall_s: float) -> dict[str, float]:
+    """``streams``: per request (TTFT s, last-token time s from the round's start, tokens)."""
+    first_token = min(ttft for ttft, _, _ in streams)
+    last_token = max(end for _, end, _ in streams)
+    tpots = [(end - ttft) / (n - 1) for ttft, end, n in streams if n > 1]
+    return {"streams": num_streams, "wall_s": wall_s,
+            "decode_tok_s": sum(n - 1 for _, _, n in streams) / max(last_token - first_token, 1e-9),
+            "ttft_p50_s": percentile([t for t, _, _ in streams], 50),
+            "ttft_p95_s": percentile([t for t, _, _ in streams], 95),
+            "tpot_p50_s": percentile(tpots, 50), "tpot_p95_s": percentile(tpots, 95)}
+
+
+# --- engine, in process -------------------------------------------------------------------------
+
+async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespace, round_id: str,
+                       new_tokens: int | None = None) -> dict[str, float]:
+    done: list[tuple[float, float, int]] = []
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens or args.new_tokens, ignore_eos=True)
     start = time.perf_counter()
 
     async def one(i: int) -> None:
-        request = GenerateRequest(f"{round_id}-{i}", prompt_token_ids=prompt_ids(engine, i, prompt_tokens),
-                                  params=params)
+        ids = tuple(prompt_ids(engine.tokenizer.encode, i, args.prompt_tokens))
+        request = GenerateRequest(f"{round_id}-{i}", prompt_token_ids=ids, params=params)
         async for event in engine.generate(request):
             if isinstance(event, Error):
                 raise RuntimeError(f"request {request.request_id} failed: {event.code}: {event.message}")
             if isinstance(event, Finished):
-                finished.append((time.perf_counter(), event))
+                u = event.usage
+                done.append((u.ttft_s, time.perf_counter() - start, u.completion_tokens))
 
     async with anyio.create_task_group() as tg:
         for i in range(num_streams):
             tg.start_soon(one, i)
-    wall = time.perf_counter() - start
-    usages = [event.usage for _, event in finished]
-    first_token = min(u.ttft_s for u in usages)  # request times count from (nearly) `start`
-    last_token = max(end - start for end, _ in finished)
-    decode_tokens = sum(u.completion_tokens - 1 for u in usages)
-    return {
-        "streams": num_streams,
-        "wall_s": wall,
-        "tok_s": sum(u.completion_tokens for u in usages) / wall,
-        "decode_tok_s": decode_tokens / max(last_token - first_token, 1e-9),
-        "ttft_p50_s": percentile([u.ttft_s for u in usages], 50),
-        "ttft_p95_s": percentile([u.ttft_s for u in usages], 95),
-        "tpot_p50_s": percentile([u.tpot_s for u in usages], 50),
-        "tpot_p95_s": percentile([u.tpot_s for u in usages], 95),
-    }
+    return round_figures(num_streams, done, time.perf_counter() - start)
 
 
-async def bench(args: argparse.Namespace) -> list[dict[str, float]]:
+async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float]]:
     runtime = RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                             num_threads=args.threads, kv_memory_bytes=args.kv_memory_mib << 20)
     scheduler = SchedulerConfig(max_num_seqs=max(args.streams),
                                 max_num_batched_tokens=max(args.token_budget, max(args.streams)),
                                 max_waiting=max(args.streams))
-    rows = []
     async with Engine(EngineConfig(str(args.model), runtime, scheduler)) as engine:
-        await run_round(engine, 1, args.prompt_tokens, 4, "warmup")
-        for n in args.streams:
-            rows.append(await run_round(engine, n, args.prompt_tokens, args.new_tokens, f"n{n}"))
-    base = next((r for r in rows if r["streams"] == 1), None)
-    for row in rows:
-        ok = base is not None and base["decode_tok_s"] > 0 and base["tpot_p50_s"] > 0
-        row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"] if ok else float("nan")
-        row["tpot_p95_vs_1"] = row["tpot_p95_s"] / base["tpot_p50_s"] if ok else float("nan")
+        await engine_round(engine, 1, args, f"{tag}-warmup", new_tokens=4)
+        return [await engine_round(engine, n, args, f"{tag}-n{n}") for n in args.streams]
+
+
+# --- HTTP servers: edgeinfer serve and llama-server, one client -----------------------------------
+
+async def http_round(base_url: str, headers: dict[str, str], num_streams: int, args: argparse.Namespace,
+                     encode, new_tokens: int | None = None) -> dict[str, float]:  # noqa: ANN001
+    done: list[tuple[float, float, int]] = []
+    max_tokens = new_tokens or args.new_tokens
+    async with httpx.AsyncClient() as client:
+        model = (await client.get(f"{base_url}/v1/models", headers=headers)).json()["data"][0]["id"]
+    start = time.perf_counter()
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": model, "prompt": prompt_ids(encode, i, args.prompt_tokens), "max_tokens": max_tokens,
+                "temperature": 0.0, "stream": True, "ignore_eos": True, "cache_prompt": False,
+                "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        first, chunks, usage = None, 0, None
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"{base_url}: {response.status_code} {(await response.aread())[:300]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    chunks += 1
+                    first = first or time.perf_counter()
+        end = time.perf_counter()
+        done.append((first - sent + (sent - start), end - start, usage or chunks))
+
+    limits = httpx.Limits(max_connections=num_streams + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async with anyio.create_task_group() as tg:
+            for i in range(num_streams):
+                tg.start_soon(one, client, i)
+    return round_figures(num_streams, done, time.perf_counter() - start)
+
+
+def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer in {timeout_s} s")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_http(target: str, args: argparse.Namespace, encode) -> list[dict[str, float]]:  # noqa: ANN001
+    port, ctx, parallel = free_port(), args.prompt_tokens + args.new_tokens + 16, max(args.streams)
+    threads = str(args.threads or os.cpu_count())
+    with tempfile.TemporaryDirectory() as tmp:
+        log, headers = Path(tmp) / "server.log", {}
+        if target == "openai":
+            cmd = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(args.model), "--port", str(port),
+                   "--ctx", str(ctx), "--parallel", str(parallel), "--threads", threads,
+                   "--linear-path", args.linear_path, "--kv-dtype", args.kv_dtype]
+            env, health = {**os.environ, "EDGEINFER_CONFIG_DIR": tmp}, "/healthz"
+        else:
+            cmd = [str(Path(os.environ["LLAMA_CPP_BIN"]) / "llama-server"), "-m", str(args.model), "--port", str(port),
+                   "-c", str(ctx * parallel), "--parallel", str(parallel), "-t", threads, "--no-webui"]
+            env, health = dict(os.environ), "/health"
+        with open(log, "w") as out:
+            process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}{health}", process, log)
+            if target == "openai":
+                headers = {"Authorization": f"Bearer {(Path(tmp) / 'token').read_text().strip()}"}
+            url = f"http://127.0.0.1:{port}"
+
+            async def rounds() -> list[dict[str, float]]:
+                await http_round(url, headers, 1, args, encode, new_tokens=4)
+                return [await http_round(url, headers, n, args, encode) for n in args.streams]
+
+            return anyio.run(rounds)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+# --- llama-batched-bench --------------------------------------------------------------------------
+
+def run_batched_bench(args: argparse.Namespace) -> list[dict[str, float]]:
+    """One row per N from llama-batched-bench's table: decode tok/s is its S_TG (all streams), TPOT
+    its T_TG / tokens per stream, TTFT the prefill time of all N prompts (T_PP)."""
+    cmd = [str(Path(os.environ["LLAMA_CPP_BIN"]) / "llama-batched-bench"), "-m", str(args.model),
+           "-c", str((args.prompt_tokens + args.new_tokens) * max(args.streams)), "-b", "2048", "-ub", "512",
+           "-npp", str(args.prompt_tokens), "-ntg", str(args.new_tokens),
+           "-npl", ",".join(map(str, args.streams)), "-t", str(args.threads or os.cpu_count())]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():  # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and re.fullmatch(r"\d+", cells[0]) and re.fullmatch(r"\d+", cells[2]):
+            n, t_pp, t_tg, s_tg = int(cells[2]), float(cells[4]), float(cells[6]), float(cells[7])
+            tpot = t_tg / args.new_tokens
+            rows.append({"streams": n, "wall_s": t_pp + t_tg, "decode_tok_s": s_tg, "ttft_p50_s": t_pp,
+                         "ttft_p95_s": t_pp, "tpot_p50_s": tpot, "tpot_p95_s": tpot})
+    if len(rows) != len(args.streams):
+        raise RuntimeError(f"could not read llama-batched-bench's table:\n{out}")
     return rows
 
 
-def print_table(rows: list[dict[str, float]]) -> None:
-    print(f"{'streams':>7} {'decode tok/s':>12} {'speedup':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
-          f"{'TPOT p50':>9} {'TPOT p95':>9} {'p95/1':>6}")
-    for r in rows:
-        ms = {k: r[k] * 1e3 for k in ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")}
-        print(f"{r['streams']:>7} {r['decode_tok_s']:>12.1f} {r['speedup']:>7.2f}x "
-              f"{ms['ttft_p50_s']:>7.0f}ms {ms['ttft_p95_s']:>7.0f}ms "
-              f"{ms['tpot_p50_s']:>7.1f}ms {ms['tpot_p95_s']:>7.1f}ms {r['tpot_p95_vs_1']:>5.2f}x")
-    at16 = next((r for r in rows if r["streams"] == 16), None)
-    if at16 is not None:
-        print(f"targets at 16 streams: throughput {at16['speedup']:.2f}x (>= 5x: "
-              f"{'ok' if at16['speedup'] >= 5 else 'MISSED'}), TPOT p95 {at16['tpot_p95_vs_1']:.2f}x "
-              f"single-stream (<= 3x: {'ok' if at16['tpot_p95_vs_1'] <= 3 else 'MISSED'})")
+# --- report ---------------------------------------------------------------------------------------
+
+def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
+    values = [v * scale for v in values]
+    if len(values) == 1:
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def print_summary(results: dict[str, list[list[dict[str, float]]]], streams: list[int]) -> None:
+    """results[target][run][i] is the row for streams[i]."""
+    print("| target | streams | decode tok/s | vs 1 stream | TTFT p50 ms | TPOT p50 ms | TPOT p95 ms | "
+          "TPOT p95 / 1-stream p50 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for target, runs in results.items():
+        for i, n in enumerate(streams):
+            rows = [run[i] for run in runs]
+            base = [run[streams.index(1)] for run in runs] if 1 in streams else None
+            pairs = list(zip(rows, base, strict=True)) if base else []
+            speedup = spread([r["decode_tok_s"] / b["decode_tok_s"] for r, b in pairs], fmt=".2f") if base else "-"
+            tail = spread([r["tpot_p95_s"] / b["tpot_p50_s"] for r, b in pairs], fmt=".2f") if base else "-"
+            print(f"| {target} | {n} | {spread([r['decode_tok_s'] for r in rows])} | {speedup} | "
+                  f"{spread([r['ttft_p50_s'] for r in rows], 1e3, '.0f')} | "
+                  f"{spread([r['tpot_p50_s'] for r in rows], 1e3)} | {spread([r['tpot_p95_s'] for r in rows], 1e3)} | "
+                  f"{tail} |")
+    names = list(results)
+    for other in names[1:]:
+        print(f"\n{names[0]} / {other}, per run (median (min-max)):")
+        for i, n in enumerate(streams):
+            pairs = list(zip(results[names[0]], results[other], strict=True))
+            tok = spread([a[i]["decode_tok_s"] / b[i]["decode_tok_s"] for a, b in pairs], fmt=".2f")
+            ttft = spread([a[i]["ttft_p50_s"] / b[i]["ttft_p50_s"] for a, b in pairs], fmt=".2f")
+            print(f"  {n:>3} streams: decode tok/s {tok}x, TTFT p50 {ttft}x")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=default_model_path(), type=Path)
-    p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--token-budget", type=int, default=512, help="max tokens per step (prefill chunks)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
-    p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS)
-    p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES))
-    p.add_argument("--kv-memory-mib", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    p.add_argument("--target", nargs="+", default=["engine"], choices=TARGETS,
+                   help="what to drive, alternated per run; ratios are to the first (default: engine)")
+    p.add_argument("--runs", type=int, default=1, help="alternated runs of all targets (default: 1)")
+    p.add_argument("--model", default=default_model_path(), type=Path, help="GGUF file (default: the default model)")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64], help="concurrent streams per round")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default: 64)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per stream (default: 64)")
+    p.add_argument("--token-budget", type=int, default=512, help="engine: max tokens per step (default: 512)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="engine device (default: cpu)")
+    p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS, help="edgeinfer linear path")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES), help="edgeinfer KV format")
+    p.add_argument("--kv-memory-mib", type=int, default=1024, help="engine: KV pool MiB (default: 1024)")
+    p.add_argument("--threads", type=int, default=None, help="threads of every target (default: one per core)")
+    p.add_argument("--json", action="store_true", help="print every run's rows as JSON too")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    rows = anyio.run(bench, args)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print_table(rows)
+    if any(t.startswith("llama") for t in args.target) and "LLAMA_CPP_BIN" not in os.environ:
+        p.error("LLAMA_CPP_BIN is not set: run `eval \"$(tools/build_llama_cpp.sh)\"` first")
+    encode = load_model(str(args.model)).tokenizer.encode
+    results: dict[str, list[list[dict[str, float]]]] = {t: [] for t in args.target}
+    for run in range(args.runs):
+        for target in args.target:
+            if target == "engine":
+                rows = anyio.run(run_engine, args, f"r{run}")
+            elif target == "llama-batched-bench":
+                rows = run_batched_bench(args)
+            else:
+                rows = run_http(target, args, encode)
+            results[target].append(rows)
+            if args.json:
+                print(json.dumps({"target": target, "run": run, "rows": rows}), flush=True)
+    print(f"{args.model.name}: {args.prompt_tokens}-token prompts, {args.new_tokens} greedy tokens per stream, "
+          f"threads {args.threads or os.cpu_count()}, {args.runs} alternated run(s), median (min-max)")
+    print_summary(results, args.streams)
 
 
 if __name__ == "__main__":
