@@ -88,10 +88,14 @@ class LayerStep:
 class LlamaLayers:
     """The decoder's arithmetic for one config and backend; the weights come by argument."""
 
-    def __init__(self, config: ModelConfig, backend: Backend, scratch_numel: int = 0) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend, scratch_numel: int = 0,
+                 max_positions: int | None = None) -> None:
         """``scratch_numel``: fp32 elements of the buffer the CPU int4/int8 prefill paths reuse for
-        their dequantized weights (kernels.dispatch.scratch_numel; too small: a buffer per call)."""
+        their dequantized weights (kernels.dispatch.scratch_numel; too small: a buffer per call).
+        ``max_positions``: the longest sequence ever run (the memory plan's context; default the
+        model's), the most positions the RoPE tables cover."""
         self.config = config
+        self.max_positions = min(max_positions or config.max_position, config.max_position)
         self.backend = backend
         self.device = backend.device
         c = config
@@ -106,9 +110,10 @@ class LlamaLayers:
             self._inv_freq = self._inv_freq / torch.tensor(spec.rope_freq_factors, dtype=torch.float64)
         # Sliding-window layers with their own RoPE base (Gemma 3) take it unscaled.
         self._local_inv_freq = None if spec.local_rope_theta is None else _inv_freq(spec.local_rope_theta, c.head_dim)
-        # CUDA graphs hold the tables' addresses, so there they cover the whole context at once;
-        # the CPU grows them with the contexts it sees (the default model's 8192 positions: 4 MB).
-        rope_length = c.max_position if self.device.type == "cuda" else min(256, c.max_position)
+        # CUDA graphs hold the tables' addresses, so there they cover the planned context at once
+        # (a 131k-position model would otherwise hold ~0.5 GB of tables); the CPU grows them with
+        # the contexts it sees (the default model's 8192 positions: 4 MB).
+        rope_length = self.max_positions if self.device.type == "cuda" else min(256, self.max_positions)
         self._cos, self._sin = self._rope_tables(rope_length, self._inv_freq)
         self._local_rope = self._local_rope_tables(rope_length)
         self._scale = spec.attn_scale or c.head_dim ** -0.5
@@ -125,10 +130,10 @@ class LlamaLayers:
         return self.backend.linear_path
 
     def _cover_positions(self, num_positions: int) -> None:
-        """Grow the RoPE tables (at least doubling, at most the model's context) to hold
-        ``num_positions``; positions past the context still fail where the tables are read."""
-        if num_positions > self._cos.shape[0] < self.config.max_position:
-            length = min(max(num_positions, 2 * self._cos.shape[0]), self.config.max_position)
+        """Grow the RoPE tables (at least doubling, at most ``max_positions``) to hold
+        ``num_positions``; positions past that still fail where the tables are read."""
+        if num_positions > self._cos.shape[0] < self.max_positions:
+            length = min(max(num_positions, 2 * self._cos.shape[0]), self.max_positions)
             self._cos, self._sin = self._rope_tables(length, self._inv_freq)
             self._local_rope = self._local_rope_tables(length)
 
@@ -253,14 +258,16 @@ class LlamaModel(LlamaLayers):
         head_format: str = "same",
         take_weights: bool = False,
         kv_calibration_ids: Sequence[int] = (),
+        max_positions: int | None = None,
     ) -> None:
         """``backend``: the kernels it runs (kernels.dispatch.choose_backend; None: its choice for
         the CPU). ``head_format`` and ``take_weights``: see edgeinfer.models.weights.
         ``kv_calibration_ids``: tokens whose mean keys centre quantized key caches
-        (measured by edgeinfer.worker.kv_calibration.prepare_quantized_kv; none: keys not centred)."""
+        (measured by edgeinfer.worker.kv_calibration.prepare_quantized_kv; none: keys not centred).
+        ``max_positions``: see LlamaLayers."""
         backend = backend or choose_backend()
         prepared = prepare_weights(config, weights, backend, head_format, take_weights)
-        super().__init__(config, backend, scratch_numel(prepared.linears()))
+        super().__init__(config, backend, scratch_numel(prepared.linears()), max_positions)
         self.weights = prepared
         self.kv_calibration_ids = tuple(kv_calibration_ids)
 

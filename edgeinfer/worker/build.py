@@ -45,7 +45,8 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
     # The quantized head with exact refinement only pays on the CPU int4 path.
     head_format = "int4" if backend.linear_path == "int4_cpu" and not runtime.exact_head else "same"
     return LlamaModel(loaded.config, loaded.weights, backend, head_format=head_format,
-                      take_weights=take_weights, kv_calibration_ids=calibration_ids(loaded.tokenizer))
+                      take_weights=take_weights, kv_calibration_ids=calibration_ids(loaded.tokenizer),
+                      max_positions=runtime.context_length(loaded.config.max_position))
 
 
 def graph_batch_sizes(runtime: RuntimeConfig) -> tuple[int, ...]:

@@ -10,11 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from edgeinfer.config import ModelConfig
+from edgeinfer.config import ModelConfig, RuntimeConfig
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.loader import LoadedModel
 from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk, build_batch
+from edgeinfer.worker.build import build_model
 from kernels import cpu_ops
 from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
@@ -303,3 +304,16 @@ def test_an_observer_takes_the_per_op_forward(model: LlamaModel, per_op: LlamaMo
     shapes = {"qkv": (11, c.hidden_size), "keys": (11, c.num_kv_heads, c.head_dim), "o": (11, q_size),
               "gate_up": (11, c.hidden_size), "down": (11, inner)}
     assert seen == [(layer, name, shape) for layer in range(c.num_layers) for name, shape in shapes.items()]
+
+
+def test_rope_tables_stop_at_the_planned_context() -> None:
+    """The memory plan's --ctx bounds the tables (on CUDA they are built whole at start)."""
+    config = ModelConfig(**{**CONFIG.to_dict(), "max_position": 700})
+    loaded = synthetic_model(config, "int4", group_size=32, seed=5)
+    model = build_model(loaded, RuntimeConfig(max_model_len=300))
+    assert model.max_positions == 300
+    model._cover_positions(290)
+    assert model._cos.shape[0] == 300  # doubling 256 would pass the plan: stops at it
+    model._cover_positions(650)
+    assert model._cos.shape[0] == 300
+    assert LlamaModel(config, loaded.weights).max_positions == 700  # no plan: the model's context
