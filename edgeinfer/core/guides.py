@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from edgeinfer.core.sampling_params import InvalidParams
 
@@ -125,13 +126,16 @@ class GuideCompiler:
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec), JSON_OPTIONS)
             except ValueError as exc:
-                raise GuideError(f"the json_schema guide cannot be compiled: {exc}") from None
+                raise GuideError(f"guide: the json_schema cannot be compiled by llguidance: {exc}") from None
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         else:
             assert kind == "grammar", kind  # SamplingParams checked the kind
-            grammar = llguidance.LLMatcher.grammar_from_lark(spec)
+            try:  # Lark as llguidance reads it, or llama.cpp's GBNF (converted to Lark)
+                grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
+            except Exception as exc:  # the converter raises what its parser meets  # noqa: BLE001
+                raise GuideError(f"guide: the grammar is neither Lark nor GBNF: {exc}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GuideError(f"the {kind} guide cannot be compiled: {matcher.get_error()}")
+            raise GuideError(f"guide: the {kind} cannot be compiled by llguidance: {matcher.get_error()}")
         return matcher
