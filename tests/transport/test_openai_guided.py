@@ -1,7 +1,7 @@
 """Structured output over the OpenAI API (transport.openai_guide), driven by the official `openai`
-client against a live server on the default model: response_format json_schema and json_object,
-vLLM's guided_regex and guided_choice, and a 400 naming the parameter for what the grammar
-library cannot compile."""
+client against a live server on the default model: response_format json_schema (and, slow,
+json_object streamed, vLLM's guided_regex, guided_choice and guided_json), and a 400 naming the
+parameter for what the grammar library cannot compile."""
 
 from __future__ import annotations
 
@@ -45,16 +45,21 @@ def ask(client: openai.OpenAI, **kwargs: Any) -> Any:
                                           seed=7, **kwargs)
 
 
-def test_response_format_json_schema_and_json_object(client: openai.OpenAI) -> None:
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
     reply = ask(client, response_format={"type": "json_schema", "json_schema": {
         "name": "person", "schema": PERSON, "strict": True}})
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+
+
+@pytest.mark.slow
+def test_response_format_json_object_streamed(client: openai.OpenAI) -> None:
     streamed = ask(client, response_format={"type": "json_object"}, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert isinstance(json.loads(text), dict)
 
 
+@pytest.mark.slow
 def test_vllm_guided_extensions(client: openai.OpenAI) -> None:
     reply = ask(client, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"})
     assert reply.choices[0].finish_reason == "stop"
