@@ -21,9 +21,9 @@ from transport.service import open_engine
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TIMEOUT_S = 120.0
 PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
+    "name": {"type": "string", "maxLength": 8},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3}},
+    "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 2}},
     "required": ["name", "age", "pets"], "additionalProperties": False}
 
 
