@@ -74,7 +74,8 @@ class Guide:
         return tuple(masks)
 
     def advance(self, token_id: int) -> None:
-        """Take an accepted token; a token the mask did not allow is a bug (AssertionError)."""
+        """Take an accepted token. Raises RuntimeError for a token the mask did not allow (a bug:
+        the scheduler fails that request alone)."""
         self._consume(token_id)
         self._mask = None
 
@@ -84,8 +85,9 @@ class Guide:
         return self._matcher.is_stopped()
 
     def _consume(self, token_id: int) -> None:
-        ok = self._matcher.consume_token(token_id)
-        assert ok and not self._matcher.is_error(), f"the guide refused token {token_id}: {self._matcher.get_error()}"
+        # Checked even under -O: a matcher left in its error state would let any token through.
+        if not self._matcher.consume_token(token_id) or self._matcher.is_error():
+            raise RuntimeError(f"the guide refused token {token_id}: {self._matcher.get_error()[:300]}")
 
 
 class GuideCompiler:

@@ -200,3 +200,17 @@ def test_bad_or_unsupported_guides_are_refused_at_add_request() -> None:
                            eos_token_ids=(EOS,), bytes_per_token=10, make_detokenizer=_Chars)
     with pytest.raises(RequestError, match="guide"):
         no_grammar.add_request("a", ids("1"), SamplingParams(max_tokens=8, guide=("json_object", "")))
+
+
+def test_a_token_the_mask_refused_fails_that_request_alone() -> None:
+    sched, model = make_scheduler()
+    sched.add_request("guided", ids("1"), SamplingParams(temperature=0.0, max_tokens=8, guide=("regex", REGEX)))
+    sched.add_request("free", ids("2"), SamplingParams(temperature=0.0, max_tokens=3))
+    plan = sched.schedule()
+    result = model.execute(plan)
+    refused = ids("9")[0]  # no word of the language starts with "9"
+    tampered = type(result)(result.step_id, result.seq_ids, (refused, *result.token_ids[1:]))
+    events = sched.postprocess(plan, tampered)
+    error = next(e for e in events if e.request_id == "guided")
+    assert error.code == "internal_error" and "refused token" in error.message
+    assert isinstance(run(sched, model)["free"][-1], Finished)
