@@ -18,7 +18,7 @@ from fake_runner import EOS, VOCAB, FakeRunner, step
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from edgeinfer.config import SchedulerConfig
-from edgeinfer.core.events import INVALID_PARAMS, Finished, RequestError, Token
+from edgeinfer.core.events import INTERNAL, INVALID_PARAMS, Finished, RequestError, Token
 from edgeinfer.core.guides import GuideCompiler, GuideError
 from edgeinfer.core.messages import StepPlan
 from edgeinfer.core.sampling_params import SamplingParams
@@ -212,5 +212,5 @@ def test_a_token_the_mask_refused_fails_that_request_alone() -> None:
     tampered = type(result)(result.step_id, result.seq_ids, (refused, *result.token_ids[1:]))
     events = sched.postprocess(plan, tampered)
     error = next(e for e in events if e.request_id == "guided")
-    assert error.code == "internal_error" and "refused token" in error.message
+    assert error.code == INTERNAL and "refused token" in error.message
     assert isinstance(run(sched, model)["free"][-1], Finished)
