@@ -43,6 +43,7 @@ from edgeinfer.core.events import (
 )
 from edgeinfer.core.request import GenerateRequest
 from transport import auth
+from transport.openai_guide import guide_of
 from transport.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -78,6 +79,7 @@ class _Reply:
     n: int
     logprobs: bool
     include_usage: bool
+    guide_param: str | None = None  # the parameter a guide came from (transport.openai_guide)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -168,9 +170,10 @@ class OpenAIApi:
     async def _chat(self, request: Request) -> Response:
         body = parse(ChatRequest, await self._json(request))
         self._check_model(body.model)
-        params = sampling_params(body)
+        guide, guide_param = guide_of(body)
+        params = sampling_params(body, guide, guide_param)
         reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
-                       bool(body.stream_options and body.stream_options.include_usage))
+                       bool(body.stream_options and body.stream_options.include_usage), guide_param)
         gen = GenerateRequest(self._engine_id(), messages=chat_messages(body), params=params,
                               params_given=given_fields(body))
         return await self._answer([gen], reply, body.stream, "messages")
@@ -178,9 +181,10 @@ class OpenAIApi:
     async def _completions(self, request: Request) -> Response:
         body = parse(CompletionRequest, await self._json(request))
         self._check_model(body.model)
-        params = sampling_params(body)
+        guide, guide_param = guide_of(body)
+        params = sampling_params(body, guide, guide_param)
         reply = _Reply(False, self.server.model_name, body.n, body.logprobs is not None,
-                       bool(body.stream_options and body.stream_options.include_usage))
+                       bool(body.stream_options and body.stream_options.include_usage), guide_param)
         given = given_fields(body)
         gens = [GenerateRequest(self._engine_id(), prompt=p, params=params, params_given=given) if isinstance(p, str)
                 else GenerateRequest(self._engine_id(), prompt_token_ids=p, params=params, params_given=given)
@@ -200,7 +204,8 @@ class OpenAIApi:
             for events in streams:  # each first event is `accepted` or the refusal, with its status
                 first = await anext(events)
                 if isinstance(first, Error):
-                    raise _engine_error(first.code, first.message, first.retry_after_s, prompt_param)
+                    raise _engine_error(first.code, first.message, first.retry_after_s, prompt_param,
+                                        reply.guide_param)
             self.server.counters["openai_requests"] += 1
         except BaseException:
             self.in_flight -= 1
@@ -320,11 +325,15 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Event]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_param: str) -> OpenAIError:
+def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_param: str,
+                  guide_param: str | None = None) -> OpenAIError:
     if code == PROMPT_TOO_LONG:
         return OpenAIError(400, message, "invalid_request_error", prompt_param, "context_length_exceeded")
     if code == INVALID_PARAMS:
-        return OpenAIError(400, message, "invalid_request_error", message.split(" ", 1)[0], None)
+        param = message.split(" ", 1)[0]
+        if param == "guide:" and guide_param:  # a guide the grammar library refused (core.guides)
+            return invalid(guide_param, guide_param + message[len("guide"):])
+        return OpenAIError(400, message, "invalid_request_error", param, None)
     if code == OVERLOADED:
         return OpenAIError(429, message, "rate_limit_error", None, "rate_limit_exceeded", retry_after_s or 1.0)
     if code == ENGINE_CLOSED:
