@@ -55,7 +55,9 @@ from transport.openai_schema import (
     invalid,
     parse,
     sampling_params,
+    tool_choice,
 )
+from transport.tool_calls import ToolCall, ToolCallStream, prepare_chat, template_family
 
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -67,6 +69,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: ToolCallStream | None = None  # a chat with tools: splits content from calls
 
 
 @dataclass
@@ -78,6 +81,8 @@ class _Reply:
     n: int
     logprobs: bool
     include_usage: bool
+    tool_family: str | None = None  # the chat template's call syntax, when calls are parsed
+    parallel_tool_calls: bool = True
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -153,7 +158,8 @@ class OpenAIApi:
             tokens = tokenizer.encode(body.prompt, add_special=body.add_special_tokens)
         else:
             chat = ChatRequest(model="", messages=body.messages)
-            text = tokenizer.apply_chat_template([dict(m) for m in chat_messages(chat)])
+            messages, _ = prepare_chat(list(chat_messages(chat)), None, template_family(tokenizer.chat_template))
+            text = tokenizer.apply_chat_template(messages)
             tokens = tokenizer.encode(text, add_special=False)  # the template has them
         return JSONResponse({"tokens": tokens, "count": len(tokens)})
 
@@ -169,9 +175,15 @@ class OpenAIApi:
         body = parse(ChatRequest, await self._json(request))
         self._check_model(body.model)
         params = sampling_params(body)
+        choice, _ = tool_choice(body)
+        family = template_family(self.server.engine.tokenizer.chat_template)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if choice != "none" else None
+        messages, template_tools = prepare_chat(list(chat_messages(body)), tools, family)
         reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
-                       bool(body.stream_options and body.stream_options.include_usage))
-        gen = GenerateRequest(self._engine_id(), messages=chat_messages(body), params=params,
+                       bool(body.stream_options and body.stream_options.include_usage),
+                       tool_family=family if tools else None, parallel_tool_calls=body.parallel_tool_calls is not False)
+        gen = GenerateRequest(self._engine_id(), messages=tuple(messages), params=params,
+                              tools=tuple(template_tools) if template_tools else None,
                               params_given=given_fields(body))
         return await self._answer([gen], reply, body.stream, "messages")
 
@@ -216,19 +228,19 @@ class OpenAIApi:
             self.in_flight -= 1
 
     async def _collect(self, streams: list[Any], reply: _Reply, prompt_param: str) -> dict[str, Any]:
-        choices = [_Choice() for _ in range(len(streams) * reply.n)]
+        choices = _choices(len(streams) * reply.n, reply)
         usages: list[Usage] = []
         async for prompt_index, event in _merged(streams):
             self._on_event(prompt_index, event, reply, choices, usages, prompt_param)
-        shape = _chat_choice if reply.chat else _completion_choice
         tokenizer = self.server.engine.tokenizer if reply.logprobs else None
         return {"id": reply.id, "object": "chat.completion" if reply.chat else "text_completion",
                 "created": reply.created, "model": reply.model,
-                "choices": [shape(i, c, tokenizer) for i, c in enumerate(choices)],
+                "choices": [_chat_choice(i, c, tokenizer, reply) if reply.chat else _completion_choice(i, c, tokenizer)
+                            for i, c in enumerate(choices)],
                 "usage": _usage(usages), "timings": _timings(usages)}
 
     async def _sse(self, streams: list[Any], reply: _Reply, prompt_param: str) -> AsyncIterator[str]:
-        choices = [_Choice() for _ in range(len(streams) * reply.n)]
+        choices = _choices(len(streams) * reply.n, reply)
         usages: list[Usage] = []
         tokenizer = self.server.engine.tokenizer if reply.logprobs else None
         try:
@@ -243,11 +255,18 @@ class OpenAIApi:
                     break
                 if isinstance(event, Token) and (event.text or reply.logprobs):
                     index = prompt_index * reply.n + event.index
-                    offset = sum(len(t) for t in choices[index].text) - len(event.text)  # text before this chunk
+                    choice = choices[index]
+                    offset = sum(len(t) for t in choice.text) - len(event.text)  # text before this chunk
                     logprobs = _logprobs(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
-                    delta = {"delta": {"content": event.text}} if reply.chat else {"text": event.text}
-                    yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs, "finish_reason": None}])
+                    text = choice.tool_calls.push(event.text) if choice.tool_calls else event.text
+                    delta = {"delta": {"content": text}} if reply.chat else {"text": text}
+                    if text or logprobs:
+                        yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs,
+                                                   "finish_reason": None}])
                 for index in ended:
+                    for delta in _tool_call_deltas(choices[index], reply):
+                        yield self._chunk(reply, [{"index": index, "delta": delta, "logprobs": None,
+                                                   "finish_reason": None}])
                     done = {"delta": {}} if reply.chat else {"text": ""}
                     last = {"timings": _timings(usages)} if len(usages) == len(streams) else {}
                     yield self._chunk(reply, [{"index": index, **done, "logprobs": None,
@@ -349,8 +368,49 @@ def _logprobs(chat: bool, entries: Any, tokenizer: Any, offset: int) -> dict[str
             "top_logprobs": [{t["token"]: t["logprob"] for t in top} for _, top in rows], "text_offset": offsets}
 
 
-def _chat_choice(index: int, choice: _Choice, tokenizer: Any) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+def _choices(num: int, reply: _Reply) -> list[_Choice]:
+    family = reply.tool_family
+    return [_Choice(tool_calls=ToolCallStream(family) if family else None) for _ in range(num)]
+
+
+def _finish_calls(choice: _Choice, reply: _Reply) -> tuple[str, list[ToolCall]]:
+    """A finished choice's held content and its calls; a call ends the choice as `tool_calls`."""
+    if choice.tool_calls is None:
+        return "", []
+    rest, calls = choice.tool_calls.finish()
+    if not reply.parallel_tool_calls:
+        calls = calls[:1]
+    if calls and choice.finish_reason == "stop":
+        choice.finish_reason = "tool_calls"
+    return rest, calls
+
+
+def _call_dict(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _tool_call_deltas(choice: _Choice, reply: _Reply) -> list[dict[str, Any]]:
+    """The deltas a streamed choice ends with, as OpenAI streams calls: the held content, then per
+    call one delta with its index, id, type and name (arguments empty), then its arguments."""
+    rest, calls = _finish_calls(choice, reply)
+    deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
+    for i, call in enumerate(calls):
+        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+    return deltas
+
+
+def _chat_choice(index: int, choice: _Choice, tokenizer: Any, reply: _Reply) -> dict[str, Any]:
+    text = "".join(choice.text)
+    if choice.tool_calls is not None:
+        text = choice.tool_calls.push(text)
+    rest, calls = _finish_calls(choice, reply)
+    message: dict[str, Any] = {"role": "assistant", "content": (text + rest) or (None if calls else ""),
+                               "refusal": None}
+    if calls:
+        message["tool_calls"] = [_call_dict(c) for c in calls]
+    return {"index": index, "message": message,
             "logprobs": _logprobs(True, choice.logprobs, tokenizer, 0) if tokenizer else None,
             "finish_reason": choice.finish_reason}
 
