@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from edgeinfer.core.beam_search import BeamSearchParams, BeamState
 from edgeinfer.core.events import INVALID_PARAMS, OVERLOADED, PROMPT_TOO_LONG, Accepted, RequestError
+from edgeinfer.core.guides import Guide, GuideError
 from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 from edgeinfer.core.sequence import BeamGroup, SeqState
 from edgeinfer.core.stop import StopChecker
@@ -42,6 +43,7 @@ class AdmissionMixin:
         if len(self.waiting) >= self.config.max_waiting:
             raise RequestError(OVERLOADED, f"{len(self.waiting)} requests are already waiting",
                                self.config.retry_after_s)
+        guide = self._compile_guide(params)
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
         if self._lifetime_blocks(len(prompt_ids), max_len, width) > self.block_manager.num_blocks:
             raise RequestError(INVALID_PARAMS, (
@@ -50,7 +52,7 @@ class AdmissionMixin:
         seq = SeqState(self._next_seq_id, request_id, tuple(prompt_ids), params, max_len, self._clock(),
                        self._make_detokenizer(), StopChecker(params, self.eos_token_ids),
                        to_fork=0 if params.beam_width else params.n - 1,
-                       prompt_logprobs=None if params.prompt_logprobs is None else [])
+                       prompt_logprobs=None if params.prompt_logprobs is None else [], guide=guide)
         if params.beam_width:
             eos = () if params.ignore_eos else self.eos_token_ids
             search = BeamSearchParams(params.beam_width, max_len - len(prompt_ids), params.n, params.length_penalty,
@@ -62,6 +64,18 @@ class AdmissionMixin:
         self._by_request[request_id] = [seq]
         self._by_seq[seq.seq_id] = seq
         return Accepted(request_id, position, len(prompt_ids))
+
+    def _compile_guide(self, params: SamplingParams) -> Guide | None:
+        """The request's grammar state, or RequestError (invalid_params) naming what is wrong."""
+        if params.guide is None:
+            return None
+        if self.guides is None:
+            raise RequestError(INVALID_PARAMS, "this engine has no grammar support for its tokenizer: "
+                                               "guide (structured output) is not available")
+        try:
+            return self.guides.guide(*params.guide)
+        except GuideError as exc:
+            raise RequestError(INVALID_PARAMS, str(exc)) from None
 
     def _lifetime_blocks(self, prompt_len: int, max_len: int, n: int) -> int:
         """Blocks a request may hold at once: its first choice's lifetime, plus each other

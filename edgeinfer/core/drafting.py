@@ -30,10 +30,12 @@ class SpeculationMixin:
     def _may_draft(self, seq: SeqState) -> bool:
         """Whether this sequence's requests allow drafting at all: not while it forks or runs a
         beam, not when it reads logprobs or penalties (their distribution moves with every
-        accepted token)."""
+        accepted token), and a guided one only with prompt lookup (a draft model's drafts are
+        not known when the scheduler computes the masks of their positions)."""
         p = seq.params
         return (self.config.speculative != "off" and not seq.to_fork and seq.beam is None and p.logprobs is None
-                and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty)
+                and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
+                and (seq.guide is None or self.config.speculative == "ngram"))
 
     def _drafts(self, seq: SeqState, budget: int, copies: list[tuple[int, int]]) -> tuple[tuple[int, ...], int]:
         """(prompt-lookup drafts, number of draft-model drafts) for a decoding sequence, their
@@ -49,6 +51,8 @@ class SpeculationMixin:
             return (), 0
         ids = propose_ngram(tokens, limit, ngram_min=PROMPT_LOOKUP_NGRAM_MIN) if self.config.speculative == "ngram" \
             else []
+        if seq.guide is not None:
+            ids = ids[:seq.guide.num_valid(ids)]  # a draft the grammar refuses could never be accepted
         num = len(ids) if self.config.speculative == "ngram" else limit
         need = len(tokens) + num - seq.kv.num_slots
         if num and need > 0:

@@ -90,7 +90,7 @@ class ForkMixin:
         """Choice ``index`` of parent's request: shares parent's blocks (prompt computed, no output)."""
         child = SeqState(self._next_seq_id, parent.request_id, parent.prompt_ids, parent.params, parent.max_len,
                          parent.arrival_s, self._make_detokenizer(), StopChecker(parent.params, self.eos_token_ids),
-                         index=index)
+                         index=index, guide=None if parent.guide is None else parent.guide.copy())
         self._next_seq_id += 1
         child.kv.block_table = self.block_manager.fork(parent.seq_id, child.seq_id)
         child.kv.num_computed, child.kv.num_slots = parent.kv.num_computed, parent.kv.num_slots

@@ -56,13 +56,17 @@ class SeqStep:
     # positions just before its last one (which predicts the first output token). Answered in
     # StepResult.prompt_logprobs.
     prompt_logprob_ids: tuple[int, ...] = ()
+    # Structured output (edgeinfer.core.guides): when the row samples, the token bitmask at each
+    # sampled position (the next one, then after each draft): packed little-endian int32 words,
+    # bit t % 32 of word t // 32 set when token t is allowed. Empty: unconstrained.
+    guide_masks: tuple[bytes, ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:
         fields = dict(data)
         fields["params"] = SamplingParams(**data["params"])
         for name in ("token_ids", "block_table", "output_ids", "prompt_ids", "choices", "draft_ids", "draft_feed",
-                     "prompt_logprob_ids"):
+                     "prompt_logprob_ids", "guide_masks"):
             fields[name] = tuple(data[name])
         return cls(**fields)
 

@@ -23,6 +23,10 @@ class OutputMixin:
             taken.append(token_id)
             piece, reason = seq.stop.push(token_id, seq.detokenizer.push(token_id))
             text += piece
+            if reason is None and seq.guide is not None:
+                seq.guide.advance(token_id)
+                if seq.guide.is_complete:  # the grammar takes nothing more: the answer is whole
+                    text, reason = text + seq.stop.flush(), "stop"
             if reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
                 text, reason = text + seq.stop.flush(), "length"  # the context or pool is full
             if reason is not None:

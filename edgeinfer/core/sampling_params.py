@@ -8,12 +8,14 @@ is loaded.
 
 Semantics follow the OpenAI API where it has a parameter (presence/frequency penalty over
 generated tokens, logit_bias, logprobs, stop, n, seed), vLLM's for prompt_logprobs, and Hugging
-Face otherwise (repetition_penalty over prompt and output tokens, top_k, min_p).
+Face otherwise (repetition_penalty over prompt and output tokens, top_k, min_p). `guide`
+constrains the output to a grammar (edgeinfer.core.guides compiles and enforces it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -37,6 +39,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_BEAM_WIDTH = 16
+MAX_GUIDE_SPEC_CHARS = 1 << 16  # a schema, regex or grammar; compiling it is the client's cost to bound
+# SamplingParams.guide kinds: the spec is a JSON schema (json_schema), a regex matched by the whole
+# output (regex), a Lark grammar (grammar, llguidance's dialect), or ignored (json_object: any JSON object).
+GUIDE_KINDS = ("json_object", "json_schema", "regex", "grammar")
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (division would overflow anyway)
 
 
@@ -73,6 +79,9 @@ class SamplingParams:
     beam_width: int = 0
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False (heuristic) or "never" (exact); see beam_search
+    # Structured output: (kind, spec) with kind one of GUIDE_KINDS; every output token must keep
+    # the text a prefix of the guide's language, and the output ends when the guide is complete.
+    guide: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -80,6 +89,8 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.guide is not None and not isinstance(self.guide, tuple):
+            object.__setattr__(self, "guide", tuple(self.guide))  # msgpack hands back a list
         self._validate()
 
     def _validate(self) -> None:
@@ -137,11 +148,14 @@ class SamplingParams:
                   f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]")
         if self.early_stopping is not True and self.early_stopping is not False and self.early_stopping != "never":
             _fail("early_stopping", self.early_stopping, 'must be true, false or "never"')  # 1 == True: by identity
+        if self.guide is not None:
+            _check_guide(self.guide)
         if self.beam_width:
             if self.n > self.beam_width:
                 _fail("n", self.n, f"must be <= beam_width={self.beam_width} (the n best beams are returned)")
             for name, off in (("stop", ()), ("logprobs", None), ("prompt_logprobs", None), ("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0),
+                              ("guide", None)):
                 if getattr(self, name) != off:
                     _fail(name, getattr(self, name), "is not supported with beam search")
 
@@ -166,6 +180,7 @@ class SamplingParams:
         data["logit_bias"] = {str(k): v for k, v in self.logit_bias}
         data["stop"] = list(self.stop)
         data["stop_token_ids"] = list(self.stop_token_ids)
+        data["guide"] = None if self.guide is None else list(self.guide)
         return data
 
     @classmethod
@@ -228,6 +243,27 @@ def _fail(name: str, value: Any, problem: str) -> NoReturn:
     raise InvalidParams(f"{name} {problem}, got {shown[:100]}")
 
 
+def _check_guide(guide: tuple[Any, ...]) -> None:
+    """The guide's shape: a known kind and a string spec; a json_schema's spec is a JSON object or
+    boolean. Whether the library can compile it is checked when it is compiled (core.guides)."""
+    if len(guide) != 2 or not all(isinstance(part, str) for part in guide):
+        _fail("guide", guide, "must be a pair of strings [kind, spec]")
+    kind, spec = guide
+    if kind not in GUIDE_KINDS:
+        _fail("guide", kind, f"kind must be one of {', '.join(GUIDE_KINDS)}")
+    if len(spec) > MAX_GUIDE_SPEC_CHARS:
+        _fail("guide", len(spec), f"spec is too long (at most {MAX_GUIDE_SPEC_CHARS} characters)")
+    if kind in ("regex", "grammar") and not spec:
+        _fail("guide", spec, f"a {kind} guide needs a non-empty spec")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except ValueError as exc:
+            _fail("guide", spec, f"json_schema spec is not JSON ({exc})")
+        if not isinstance(schema, (dict, bool)):
+            _fail("guide", spec, "json_schema spec must be a JSON object (a schema)")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
 
@@ -252,6 +288,10 @@ def _coerce(name: str, value: Any) -> Any:
         return value
     if kind == "early":  # checked by SamplingParams itself
         return value
+    if kind == "guide":
+        if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(isinstance(v, str) for v in value):
+            _fail(name, value, "must be a pair of strings [kind, spec]")
+        return tuple(value)
     if kind == "stop":
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
@@ -285,5 +325,5 @@ _KINDS = MappingProxyType({
     "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
     "logit_bias": "bias", "seed": "int", "n": "int", "logprobs": "int", "prompt_logprobs": "int", "max_tokens": "int",
     "min_tokens": "int", "stop": "stop", "stop_token_ids": "ids", "ignore_eos": "bool",
-    "beam_width": "int", "length_penalty": "float", "early_stopping": "early",
+    "beam_width": "int", "length_penalty": "float", "early_stopping": "early", "guide": "guide",
 })

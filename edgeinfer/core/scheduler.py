@@ -28,6 +28,10 @@ decoding sequence may carry drafts, which the model verifies (edgeinfer.worker.v
 rule, so the output distribution is the target's); num_computed then counts only verified tokens.
 drafting.py holds that bookkeeping.
 
+Structured output: a guided sequence's grammar state (SeqState.guide, edgeinfer.core.guides)
+gives each sampling step its token masks, takes every emitted token, and ends the sequence
+when the grammar is complete.
+
 Siblings hold the rest of the scheduler's methods, by job: admission.py (add_request and the
 admission rule), drafting.py (speculative decoding), forks.py (parallel sampling's choices and
 beam search's beams), output.py (tokens through stop checks and detokenizers, finished requests
@@ -48,6 +52,7 @@ from edgeinfer.core.block_manager import BlockManager
 from edgeinfer.core.drafting import SpeculationMixin
 from edgeinfer.core.events import INTERNAL, Error, Event
 from edgeinfer.core.forks import ForkMixin
+from edgeinfer.core.guides import GuideCompiler
 from edgeinfer.core.messages import SeqStep, StepPlan, StepResult
 from edgeinfer.core.output import OutputMixin
 from edgeinfer.core.prompt_logprobs import gather_prompt_logprobs, prompt_logprob_ids
@@ -60,9 +65,11 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int, max_model_len: int,
                  vocab_size: int, eos_token_ids: Sequence[int], bytes_per_token: int,
                  make_detokenizer: Callable[[], Detokenizer], namespace: str = "",
-                 clock: Callable[[], float] = time.monotonic, activation_bytes_per_token: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, activation_bytes_per_token: int = 0,
+                 guides: GuideCompiler | None = None) -> None:
         """``activation_bytes_per_token`` (a worst-case step's measured peak per token, CUDA)
-        caps a step's tokens by the free device memory each StepResult reports; 0: no cap."""
+        caps a step's tokens by the free device memory each StepResult reports; 0: no cap.
+        ``guides`` compiles structured output's guides (None: guided requests are refused)."""
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, namespace)
         self.block_size = block_size
@@ -83,6 +90,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         self.num_generated_tokens = 0
         self.num_preemptions = 0
         self.activation_bytes_per_token = activation_bytes_per_token
+        self.guides = guides
         self._free_step_bytes: int | None = None  # from the last StepResult
         self.num_memory_capped_steps = 0
 
@@ -244,9 +252,10 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
         scored = prompt_logprob_ids(seq, start, start + len(new)) if seq.prompt_logprobs is not None else ()
         feed, feed_start = self._draft_feed(seq, start, len(new), model_drafts)
+        masks = seq.guide.masks(drafts) if sample and seq.guide is not None else ()
         return SeqStep(seq.seq_id, chunk, start, seq.kv.block_table, sample, seq.params,
                        tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
-                       drafts, beam_candidates, feed, feed_start, model_drafts, prompt_logprob_ids=scored)
+                       drafts, beam_candidates, feed, feed_start, model_drafts, scored, masks)
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.

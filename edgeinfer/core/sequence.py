@@ -9,6 +9,7 @@ from typing import Protocol
 
 from edgeinfer.core.beam_search import BeamState
 from edgeinfer.core.events import TokenLogprob
+from edgeinfer.core.guides import Guide
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.core.speculative import AdaptiveK
 from edgeinfer.core.stop import StopChecker
@@ -82,6 +83,7 @@ class SeqState:
     prompt_logprobs: list[TokenLogprob] | None = None
     to_fork: int = 0  # choices still to fork from this one at its first sample (n - 1, then 0)
     beam: BeamGroup | None = None
+    guide: Guide | None = None  # structured output's grammar state (edgeinfer.core.guides)
     kv: KVState = field(default_factory=KVState)
     spec: SpecState = field(default_factory=SpecState)
     times: Timing = field(default_factory=Timing)

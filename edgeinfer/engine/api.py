@@ -34,6 +34,7 @@ from anyio.abc import TaskStatus
 
 from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
 from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished, Health
+from edgeinfer.core.guides import GuideCompiler
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import InvalidParams, with_model_defaults
 from edgeinfer.core.scheduler import Scheduler
@@ -157,7 +158,8 @@ class Engine:
             bytes_per_token=pool.bytes_per_token() + (draft.pool.bytes_per_token() if draft is not None else 0),
             make_detokenizer=self._tokenizer.detokenizer,
             namespace=f"{c.architecture}/{c.vocab_size}/{c.hidden_size}/{c.num_layers}",
-            activation_bytes_per_token=self._runner.activation_bytes_per_token)
+            activation_bytes_per_token=self._runner.activation_bytes_per_token,
+            guides=_guide_compiler(self._tokenizer, c.vocab_size, c.eos_token_ids))
         model_ref, self._model_inbox = mailbox("model", 1)
         self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
         self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids, sampler=self._sampler,
@@ -336,3 +338,12 @@ class RequestStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _guide_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GuideCompiler | None:
+    """Structured output's compiler over the model's HF tokenizer (None for a tokenizer without
+    one, such as a test double: guided requests are then refused)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    return GuideCompiler(backend.to_str, vocab_size, eos_token_ids)

@@ -232,6 +232,7 @@ class ModelActor:
             [s.output_ids for s in sampled], self.vocab_size, self.eos_token_ids,
             choice_indices=[c for i in indices for c in plan.seqs[i].choices],
             device=logits.device, generator=self._generator,
+            guide_masks=[s.guide_masks[0] if s.guide_masks else b"" for s in sampled],
         )
         out = self._sampler(logits, batch)
         token_ids = out.token_ids.tolist()
@@ -278,7 +279,9 @@ class ModelActor:
         batch = SamplingBatch.from_params(
             [s.params for s in expanded], [s.prompt_ids for s in expanded], histories, self.vocab_size,
             self.eos_token_ids, choice_indices=[s.choices[0] for s in expanded], device=logits.device,
-            generator=self._generator)
+            generator=self._generator, guide_masks=[  # padding positions repeat the last real one's
+                s.guide_masks[min(j, len(d))] if s.guide_masks else b""
+                for s, d in zip(seqs, drafts, strict=True) for j in range(k + 1)])
         draft_ids = torch.tensor([list(d) + [0] * (k - len(d)) for d in drafts], device=logits.device)
         num_drafts = torch.tensor([len(d) for d in drafts], device=logits.device)
         if batch.all_greedy:  # argmax only: no softmax over the vocabulary per position

@@ -9,6 +9,7 @@ Order of operations, per row:
   2. presence and frequency penalties (OpenAI) over output token counts: x - c*f - (c > 0)*p;
   3. logit_bias added;
   4. min_tokens: EOS and stop_token_ids set to -inf while the output is shorter than min_tokens;
+     a guided row's tokens outside its grammar mask (SeqStep.guide_masks) set to -inf;
      logprobs are reported from log_softmax of these logits: after penalties and bias (they
      are what the request asked the model to be), before temperature and truncation (so
      alternatives outside top-k/top-p keep a finite logprob, as OpenAI reports them);
@@ -80,6 +81,9 @@ class SamplingBatch:
     max_top_k: int  # the largest top-k that is on (< V) in any row; 0 if none
     all_greedy: bool  # every row takes the argmax: nothing to truncate or draw
     num_logprobs: tuple[int | None, ...]  # per row, as SamplingParams.logprobs
+    # Structured output: the guided rows and their token bitmasks (edgeinfer.core.guides), None if none.
+    guide_rows: torch.Tensor | None = None  # (G,) int64
+    guide_words: torch.Tensor | None = None  # (G, ceil(V' / 32)) int32, V' the grammar's vocabulary
 
     @classmethod
     def from_params(
@@ -92,10 +96,12 @@ class SamplingBatch:
         choice_indices: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
         generator: torch.Generator | None = None,
+        guide_masks: Sequence[bytes] | None = None,
     ) -> SamplingBatch:
         """Build a batch. Row i samples the next token of a sequence with prompt_ids[i] and
         output_ids[i] generated so far; choice_indices[i] separates the n choices of one seeded
-        request (default 0); generator (a CPU torch.Generator) feeds unseeded rows."""
+        request (default 0); generator (a CPU torch.Generator) feeds unseeded rows;
+        guide_masks[i] is row i's packed token bitmask (SeqStep.guide_masks; b"": unconstrained)."""
         num_rows = len(params)
         assert len(prompt_ids) == len(output_ids) == num_rows
         choices = choice_indices if choice_indices is not None else [0] * num_rows
@@ -152,6 +158,7 @@ class SamplingBatch:
             max_top_k=max((p.top_k for p in params if 0 < p.top_k < vocab_size), default=0),
             all_greedy=all(p.is_greedy for p in params),
             num_logprobs=tuple(p.logprobs for p in params),
+            **_guide_fields(guide_masks),
         )
         return batch if torch.device(device).type == "cpu" else batch.to(device)  # built on the CPU
 
@@ -171,6 +178,25 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None  # (B, N) float32, descending
 
 
+def _guide_fields(guide_masks: Sequence[bytes] | None) -> dict[str, torch.Tensor]:
+    """guide_rows and guide_words for the rows with a mask (all masks of one step have one width)."""
+    rows = [i for i, mask in enumerate(guide_masks or ()) if mask]
+    if not rows:
+        return {}
+    words = torch.frombuffer(bytearray(b"".join(guide_masks[i] for i in rows)), dtype=torch.int32)
+    return {"guide_rows": torch.tensor(rows, dtype=torch.int64), "guide_words": words.view(len(rows), -1)}
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(G, vocab_size) bool from (G, W) int32 bitmask words: bit t % 32 of word t // 32 allows
+    token t; tokens past 32 * W are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1).bool()  # (G, 32 W)
+    if bits.shape[-1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[-1]), value=False)
+
+
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
     """(B, V) float32 counts of each token id in each row's list."""
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32)
@@ -182,11 +208,12 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torc
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Steps 1-4: penalties, logit_bias, min_tokens masking. Returns (B, V) float32: a new
+    """Steps 1-4: penalties, logit_bias, min_tokens and grammar masking. Returns (B, V) float32: a new
     tensor, or the input itself when no step applies (callers never write into it)."""
     has_bias, has_suppress = batch.bias_rows.numel() > 0, batch.suppress_rows.numel() > 0
+    guided = batch.guide_words is not None
     # A plain greedy row skips the copy and the empty index ops: ~70 us of a 7 ms decode step.
-    logits = logits.to(torch.float32, copy=batch.output_counts is not None or has_bias or has_suppress)
+    logits = logits.to(torch.float32, copy=batch.output_counts is not None or has_bias or has_suppress or guided)
     if batch.output_counts is not None:
         counts = batch.output_counts
         seen = batch.seen_in_prompt | (counts > 0)
@@ -199,6 +226,9 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         logits.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
     if has_suppress:
         logits[batch.suppress_rows, batch.suppress_ids] = -math.inf
+    if guided:
+        allowed = allowed_tokens(batch.guide_words, logits.shape[-1])
+        logits[batch.guide_rows] = logits[batch.guide_rows].masked_fill(~allowed, -math.inf)
     return logits
 
 

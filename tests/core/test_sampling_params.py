@@ -62,7 +62,8 @@ def test_to_dict_round_trips_through_msgpack():
     params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                             frequency_penalty=-0.5, repetition_penalty=1.1, logit_bias={7: -100, 3: 2.5},
                             seed=1234, n=2, logprobs=5, prompt_logprobs=2, max_tokens=64, min_tokens=3,
-                            stop=["\n\n", "END"], stop_token_ids=[9], ignore_eos=True)
+                            stop=["\n\n", "END"], stop_token_ids=[9], ignore_eos=True,
+                            guide=("json_schema", '{"type": "object"}'))
     wire = msgpack.unpackb(msgpack.packb(params.to_dict()))  # default strict_map_key: str keys
     assert SamplingParams.from_dict(wire) == params
     assert params.logit_bias == ((3, 2.5), (7, -100.0))
@@ -91,6 +92,13 @@ def test_from_dict_accepts_openai_style_values():
     ({"logit_bias": {"abc": 1}}, ["logit_bias", "token ids"]),
     ({"logit_bias": {"1": "x"}}, ["logit_bias", "numbers"]),
     ({"early_stopping": 0}, ["early_stopping", "never"]),
+    ({"guide": "json_object"}, ["guide", "pair"]),
+    ({"guide": ["yaml", ""]}, ["guide", "json_schema"]),
+    ({"guide": ["json_schema", "{not json"]}, ["guide", "not JSON"]),
+    ({"guide": ["json_schema", "[1]"]}, ["guide", "object"]),
+    ({"guide": ["regex", ""]}, ["guide", "non-empty"]),
+    ({"guide": ["regex", "a" * 70000]}, ["guide", "too long"]),
+    ({"guide": ["json_object", ""], "beam_width": 2}, ["guide", "beam search"]),
 ])
 def test_from_dict_rejects_wrong_keys_and_types(data, words):
     with pytest.raises(InvalidParams) as info:
