@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -58,6 +59,7 @@ from transport.openai_schema import (
     tool_choice,
 )
 from transport.tool_calls import ToolCall, ToolCallStream, prepare_chat, template_family
+from transport.tool_guides import tool_call_guide
 
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
@@ -175,10 +177,13 @@ class OpenAIApi:
         body = parse(ChatRequest, await self._json(request))
         self._check_model(body.model)
         params = sampling_params(body)
-        choice, _ = tool_choice(body)
+        choice, forced = tool_choice(body)
         family = template_family(self.server.engine.tokenizer.chat_template)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if choice != "none" else None
         messages, template_tools = prepare_chat(list(chat_messages(body)), tools, family)
+        if choice == "required" and tools:  # constrained decoding writes a call in the family's syntax
+            guide = tool_call_guide(family, tools, forced, body.parallel_tool_calls is not False)
+            params = dataclasses.replace(params, guide=guide)
         reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
                        bool(body.stream_options and body.stream_options.include_usage),
                        tool_family=family if tools else None, parallel_tool_calls=body.parallel_tool_calls is not False)

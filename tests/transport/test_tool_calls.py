@@ -152,3 +152,53 @@ def test_generic_chat_describes_tools_and_writes_history() -> None:
     assert tools is None and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
     assert {m["role"] for m in messages} == {"system", "user", "assistant"}
     assert parse_tool_calls(messages[2]["content"], "generic")[1][1].name == "add"
+
+
+def byte_tokenizer() -> tuple[HFTokenizer, int]:
+    """A byte-level BPE without merges (every byte its own token) plus an end token: any text
+    tokenizes, so a guide can be walked over exactly the text a template writes."""
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    from edgeinfer.models.tokenizer import _bytes_to_unicode
+
+    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    backend = HFTokenizer(BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|end|>"])
+    return backend, backend.token_to_id("<|end|>")
+
+
+def allowed(mask: bytes, token_id: int) -> bool:
+    return bool(int.from_bytes(mask[4 * (token_id // 32):4 * (token_id // 32) + 4], "little") >> (token_id % 32) & 1)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_required_guide_accepts_the_family_syntax_and_the_parser_reads_it(family: str) -> None:
+    from edgeinfer.core.guides import GuideCompiler
+    from transport.tool_guides import tool_call_guide
+
+    backend, end = byte_tokenizer()
+    compiler = GuideCompiler(backend.to_str, backend.get_vocab_size(), [end])
+    weather = _call("Ab3dE6gh9", "get_weather", {"city": "Zürich", "unit": "c"})
+    add = _call("Zz9yY8xX7", "add", {"a": 17, "b": -4})
+    for calls, name, parallel in [([weather], None, True), ([weather], "get_weather", False),
+                                  ([weather, add], None, True), ([add], "add", True)]:
+        if family == "llama3" and len(calls) > 1:
+            continue
+        if family == "mistral":  # the guide leaves out the control token and the ids
+            text = json.dumps([{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                               for c in calls], ensure_ascii=False)
+        else:
+            text = assistant_turn(FAMILY_TEMPLATES[family][0], family, calls)
+        guide = compiler.guide(*tool_call_guide(family, TOOLS, name, parallel))
+        for token_id in backend.encode(text).ids:
+            assert allowed(guide.mask(), token_id), (family, text)
+            guide.advance(token_id)
+        assert guide.is_complete or allowed(guide.mask(), end)
+        assert [c.name for c in parse_tool_calls(text, family)[1]] == [c["function"]["name"] for c in calls]
+    # A call of another tool than the one named, or a second call when not parallel, is refused.
+    wrong = json.dumps({"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
+    guide = compiler.guide(*tool_call_guide("generic", TOOLS, "get_weather"))
+    assert guide.num_valid(backend.encode(wrong).ids) < len(backend.encode(wrong).ids)
