@@ -119,9 +119,11 @@ class OpenAIApi:
     def _check_access(self, request: Request) -> None:
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given.lower().startswith("bearer ") else None
-        if not auth.token_matches(token, self.server.config.token):
+        config = self.server.config
+        if not any(auth.token_matches(token, key) for key in (config.token, *config.api_keys)):
             self.server.counters["refused_token"] += 1
-            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <the server token>'",
+            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the "
+                              "server's --api-key or its token",
                               "invalid_request_error", None, "invalid_api_key")
         if not auth.origin_allowed(request.headers.get("origin"), request.headers.get("host"),
                                    self.server.allowed_hosts, self.server.config.allowed_origins):
@@ -385,7 +387,7 @@ def _finish_calls(choice: _Choice, reply: _Reply) -> tuple[str, list[ToolCall]]:
     rest, calls = choice.tool_calls.finish()
     if not reply.parallel_tool_calls:
         calls = calls[:1]
-    if calls and choice.finish_reason == "stop":
+    if calls:  # calls that parse were complete, even when a length limit ended the answer
         choice.finish_reason = "tool_calls"
     return rest, calls
 
