@@ -1,0 +1,92 @@
+"""64 concurrent streaming clients (AsyncOpenAI) on the default model with a small KV pool: every
+stream completes with exactly its solo greedy run's text (no token lost, duplicated or
+reordered), and when half of them disconnect mid-stream the block manager is all free afterwards
+and the server holds no request. The default variant streams a few tokens each; the slow one
+longer answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+from live_server import TOKEN, LiveServer
+
+from edgeinfer.config import RuntimeConfig
+from transport.service import open_engine
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NUM_CLIENTS = 64
+PROMPTS = ["Name a colour.", "Count to five.", "What is rain?", "Say hello in French.",
+           "Describe a cat.", "Why is the sky blue?", "Give me a fruit.", "What is 2 + 2?"]
+KV_MEMORY_BYTES = 48 << 20  # room for ~2k tokens: the 64 streams share it (prefix cache, preemption)
+TIMEOUT_S = 900.0  # a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def live(default_model_path):  # noqa: ANN001, ANN201
+    @contextlib.asynccontextmanager
+    async def engine() -> AsyncIterator[Any]:
+        async with open_engine(str(default_model_path), RuntimeConfig(kv_memory_bytes=KV_MEMORY_BYTES)) as (opened, _):
+            yield opened
+
+    server = LiveServer(engine, model_name=MODEL)
+    yield server
+    server.close()
+
+
+def _request(prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.mark.parametrize("max_tokens", [6, pytest.param(32, marks=pytest.mark.slow)])
+def test_64_streaming_clients_match_their_solo_runs_and_disconnects_free_the_pool(
+        live: LiveServer, max_tokens: int) -> None:
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{live.port}/v1", api_key=TOKEN, timeout=TIMEOUT_S,
+                                    max_retries=0)
+        solo = {}
+        for prompt in PROMPTS:  # one at a time: each prompt's answer alone in the batch
+            reply = await client.chat.completions.create(**_request(prompt, max_tokens))
+            assert reply.usage.completion_tokens == max_tokens
+            solo[prompt] = reply.choices[0].message.content
+
+        async def stream(i: int) -> tuple[str, list[str], str | None]:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            leaves = i % 2 == 1  # half the clients go after their second piece of text
+            chunks = await client.chat.completions.create(**_request(prompt, max_tokens), stream=True)
+            pieces: list[str] = []
+            finish = None
+            async for chunk in chunks:
+                for choice in chunk.choices:
+                    pieces += [choice.delta.content] if choice.delta.content else []
+                    finish = choice.finish_reason or finish
+                if leaves and len(pieces) == 2:
+                    await chunks.close()
+                    break
+            return prompt, pieces, finish
+
+        results = await asyncio.gather(*(stream(i) for i in range(NUM_CLIENTS)))
+        for i, (prompt, pieces, finish) in enumerate(results):
+            text = "".join(pieces)
+            if i % 2:
+                assert len(pieces) == 2 and solo[prompt].startswith(text), (i, text, solo[prompt])
+            else:
+                assert (text, finish) == (solo[prompt], "length"), (i, text, solo[prompt])
+        engine, server = live.engine, live.server
+        deadline = time.monotonic() + 30
+        while True:
+            stats = engine.stats()
+            if stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0 and server.openai.in_flight == 0:
+                break
+            assert time.monotonic() < deadline, f"requests still hold the engine: {stats}"
+            await asyncio.sleep(0.05)
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        await client.close()
+
+    live.run(main(), TIMEOUT_S)
