@@ -1,8 +1,8 @@
 """64 concurrent streaming clients (AsyncOpenAI) on the default model with a small KV pool: every
 stream completes with exactly its solo greedy run's text (no token lost, duplicated or
 reordered), and when half of them disconnect mid-stream the block manager is all free afterwards
-and the server holds no request. The default variant streams a few tokens each; the slow one
-longer answers."""
+and the server holds no request. The slow variant is the 64-client one (32 tokens each); the
+default one runs 16 clients of 4 tokens, to stay fast on a 2-core machine."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from edgeinfer.config import RuntimeConfig
 from transport.service import open_engine
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-NUM_CLIENTS = 64
 PROMPTS = ["Name a colour.", "Count to five.", "What is rain?", "Say hello in French.",
            "Describe a cat.", "Why is the sky blue?", "Give me a fruit.", "What is 2 + 2?"]
 KV_MEMORY_BYTES = 48 << 20  # room for ~2k tokens: the 64 streams share it (prefix cache, preemption)
@@ -44,20 +43,22 @@ def _request(prompt: str, max_tokens: int) -> dict[str, Any]:
             "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.mark.parametrize("max_tokens", [6, pytest.param(32, marks=pytest.mark.slow)])
-def test_64_streaming_clients_match_their_solo_runs_and_disconnects_free_the_pool(
-        live: LiveServer, max_tokens: int) -> None:
+@pytest.mark.parametrize(("num_clients", "num_prompts", "max_tokens"),
+                         [(16, 4, 4), pytest.param(64, 8, 32, marks=pytest.mark.slow)])
+def test_streaming_clients_match_their_solo_runs_and_disconnects_free_the_pool(
+        live: LiveServer, num_clients: int, num_prompts: int, max_tokens: int) -> None:
     async def main() -> None:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{live.port}/v1", api_key=TOKEN, timeout=TIMEOUT_S,
                                     max_retries=0)
         solo = {}
-        for prompt in PROMPTS:  # one at a time: each prompt's answer alone in the batch
+        prompts = PROMPTS[:num_prompts]
+        for prompt in prompts:  # one at a time: each prompt's answer alone in the batch
             reply = await client.chat.completions.create(**_request(prompt, max_tokens))
             assert reply.usage.completion_tokens == max_tokens
             solo[prompt] = reply.choices[0].message.content
 
         async def stream(i: int) -> tuple[str, list[str], str | None]:
-            prompt = PROMPTS[i % len(PROMPTS)]
+            prompt = prompts[i % len(prompts)]
             leaves = i % 2 == 1  # half the clients go after their second piece of text
             chunks = await client.chat.completions.create(**_request(prompt, max_tokens), stream=True)
             pieces: list[str] = []
@@ -71,7 +72,7 @@ def test_64_streaming_clients_match_their_solo_runs_and_disconnects_free_the_poo
                     break
             return prompt, pieces, finish
 
-        results = await asyncio.gather(*(stream(i) for i in range(NUM_CLIENTS)))
+        results = await asyncio.gather(*(stream(i) for i in range(num_clients)))
         for i, (prompt, pieces, finish) in enumerate(results):
             text = "".join(pieces)
             if i % 2:
@@ -86,7 +87,7 @@ def test_64_streaming_clients_match_their_solo_runs_and_disconnects_free_the_poo
                 break
             assert time.monotonic() < deadline, f"requests still hold the engine: {stats}"
             await asyncio.sleep(0.05)
-        assert stats.kv_blocks_free == stats.kv_blocks_total
+        assert stats.kv_blocks_free + stats.kv_blocks_cached == stats.kv_blocks_total  # cached: free, kept for reuse
         await client.close()
 
     live.run(main(), TIMEOUT_S)

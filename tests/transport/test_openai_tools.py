@@ -108,7 +108,7 @@ def live(default_model_path):  # noqa: ANN001, ANN201
     server.close()
 
 
-@pytest.mark.parametrize("num_requests", [4, pytest.param(20, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_requests", [2, pytest.param(20, marks=pytest.mark.slow)])
 def test_tool_choice_required_gives_a_valid_call_on_every_request(live: LiveServer, num_requests: int) -> None:
     """One call per answer (parallel_tool_calls false): with parallel calls allowed the grammar
     lets a 135M model append calls until max_tokens, a choice of the model's, not the server's."""
