@@ -7,7 +7,11 @@ is awaited before answering, so refusals (overloaded, prompt too long) get their
 when streaming. Closing a request's event stream is its cancellation, as on the websocket: a
 client that disconnects mid-stream closes the SSE generator (Starlette watches for the
 disconnect), which closes every engine stream it holds, freeing their KV blocks. `OpenAIApi`
-alone writes its in-flight count, which the server's drain waits on.
+alone writes its in-flight count, which the server's drain waits on. A chat with tools renders
+them for the model's template family and splits each choice into content and `tool_calls`
+(transport.tool_calls); `tool_choice` "required" or a named function adds the guide that forces
+a call (transport.tool_guides). Access: the server's token or an --api-key as Bearer, the
+browser Origin rule of the websocket.
 """
 
 from __future__ import annotations
