@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import json
 import math
@@ -48,6 +47,7 @@ from edgeinfer.core.events import (
 )
 from edgeinfer.core.request import GenerateRequest
 from transport import auth
+from transport.openai_guide import guide_of
 from transport.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -87,6 +87,7 @@ class _Reply:
     n: int
     logprobs: bool
     include_usage: bool
+    guide_param: str | None = None  # the parameter a guide came from (transport.openai_guide)
     tool_family: str | None = None  # the chat template's call syntax, when calls are parsed
     parallel_tool_calls: bool = True
     id: str = ""
@@ -182,16 +183,20 @@ class OpenAIApi:
     async def _chat(self, request: Request) -> Response:
         body = parse(ChatRequest, await self._json(request))
         self._check_model(body.model)
-        params = sampling_params(body)
+        guide, guide_param = guide_of(body)
         choice, forced = tool_choice(body)
         family = template_family(self.server.engine.tokenizer.chat_template)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if choice != "none" else None
         messages, template_tools = prepare_chat(list(chat_messages(body)), tools, family)
         if choice == "required" and tools:  # constrained decoding writes a call in the family's syntax
+            if guide is not None:
+                raise invalid("tool_choice", f"tool_choice {body.tool_choice!r} forces a tool call; it cannot be "
+                              f"combined with {guide_param}")
             guide = tool_call_guide(family, tools, forced, body.parallel_tool_calls is not False)
-            params = dataclasses.replace(params, guide=guide)
+            guide_param = "tool_choice"
+        params = sampling_params(body, guide, guide_param)
         reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
-                       bool(body.stream_options and body.stream_options.include_usage),
+                       bool(body.stream_options and body.stream_options.include_usage), guide_param,
                        tool_family=family if tools else None, parallel_tool_calls=body.parallel_tool_calls is not False)
         gen = GenerateRequest(self._engine_id(), messages=tuple(messages), params=params,
                               tools=tuple(template_tools) if template_tools else None,
@@ -201,9 +206,10 @@ class OpenAIApi:
     async def _completions(self, request: Request) -> Response:
         body = parse(CompletionRequest, await self._json(request))
         self._check_model(body.model)
-        params = sampling_params(body)
+        guide, guide_param = guide_of(body)
+        params = sampling_params(body, guide, guide_param)
         reply = _Reply(False, self.server.model_name, body.n, body.logprobs is not None,
-                       bool(body.stream_options and body.stream_options.include_usage))
+                       bool(body.stream_options and body.stream_options.include_usage), guide_param)
         given = given_fields(body)
         gens = [GenerateRequest(self._engine_id(), prompt=p, params=params, params_given=given) if isinstance(p, str)
                 else GenerateRequest(self._engine_id(), prompt_token_ids=p, params=params, params_given=given)
@@ -223,7 +229,8 @@ class OpenAIApi:
             for events in streams:  # each first event is `accepted` or the refusal, with its status
                 first = await anext(events)
                 if isinstance(first, Error):
-                    raise _engine_error(first.code, first.message, first.retry_after_s, prompt_param)
+                    raise _engine_error(first.code, first.message, first.retry_after_s, prompt_param,
+                                        reply.guide_param)
             self.server.counters["openai_requests"] += 1
         except BaseException:
             self.in_flight -= 1
@@ -350,11 +357,15 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Event]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_param: str) -> OpenAIError:
+def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_param: str,
+                  guide_param: str | None = None) -> OpenAIError:
     if code == PROMPT_TOO_LONG:
         return OpenAIError(400, message, "invalid_request_error", prompt_param, "context_length_exceeded")
     if code == INVALID_PARAMS:
-        return OpenAIError(400, message, "invalid_request_error", message.split(" ", 1)[0], None)
+        param = message.split(" ", 1)[0]
+        if param == "guide:" and guide_param:  # a guide the grammar library refused (core.guides)
+            return invalid(guide_param, guide_param + message[len("guide"):])
+        return OpenAIError(400, message, "invalid_request_error", param, None)
     if code == OVERLOADED:
         return OpenAIError(429, message, "rate_limit_error", None, "rate_limit_exceeded", retry_after_s or 1.0)
     if code == ENGINE_CLOSED:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 
 # OpenAI fields the engine cannot honour (yet): a request that sets one gets a 400 naming it.
-REFUSED_COMMON = ("functions", "function_call", "response_format", "audio",
+REFUSED_COMMON = ("functions", "function_call", "audio",
                   "modalities", "prediction", "web_search_options", "suffix", "best_of")
 REFUSED_TRUE = ("echo",)  # refused only when true: false is what we do anyway
 
@@ -116,6 +116,12 @@ class _Generation(_Lenient):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool = False
+    # Structured output (transport.openai_guide): OpenAI's response_format, or one of vLLM's.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatRequest(_Generation):
@@ -242,9 +248,11 @@ def completion_prompts(request: CompletionRequest) -> list[str | tuple[int, ...]
     return [p if isinstance(p, str) else tuple(p) for p in prompt]  # type: ignore[misc]
 
 
-def sampling_params(request: ChatRequest | CompletionRequest) -> SamplingParams:
-    """The request's SamplingParams; out-of-range values get a 400 naming the OpenAI parameter."""
-    names = {"max_tokens": "max_tokens", "logprobs": "logprobs"}
+def sampling_params(request: ChatRequest | CompletionRequest, guide: tuple[str, str] | None = None,
+                    guide_param: str | None = None) -> SamplingParams:
+    """The request's SamplingParams, with `guide` (transport.openai_guide: from the parameter
+    guide_param); out-of-range values get a 400 naming the OpenAI parameter."""
+    names = {"max_tokens": "max_tokens", "logprobs": "logprobs", "guide": guide_param or "guide"}
     max_tokens = request.max_tokens
     if isinstance(request, ChatRequest):
         if request.max_completion_tokens is not None:
@@ -267,7 +275,7 @@ def sampling_params(request: ChatRequest | CompletionRequest) -> SamplingParams:
     try:
         return SamplingParams(
             **{k: v for k, v in given.items() if v is not None}, n=request.n, logprobs=logprobs,
-            stop=request.stop or (), logit_bias=bias, ignore_eos=request.ignore_eos)
+            stop=request.stop or (), logit_bias=bias, ignore_eos=request.ignore_eos, guide=guide)
     except InvalidParams as exc:
         field = str(exc).split(" ", 1)[0]
         param = names.get(field, field)

@@ -43,12 +43,12 @@ class AdmissionMixin:
         if len(self.waiting) >= self.config.max_waiting:
             raise RequestError(OVERLOADED, f"{len(self.waiting)} requests are already waiting",
                                self.config.retry_after_s)
-        guide = self._compile_guide(params)
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_seq_len)
         if self._lifetime_blocks(len(prompt_ids), max_len, width) > self.block_manager.num_blocks:
             raise RequestError(INVALID_PARAMS, (
                 f"{width} sequences of {max_len} tokens (n / beam_width) do not fit the KV pool of "
                 f"{self.block_manager.num_blocks * self.block_size} tokens; lower n, beam_width or max_tokens"))
+        guide = self._compile_guide(params)
         seq = SeqState(self._next_seq_id, request_id, tuple(prompt_ids), params, max_len, self._clock(),
                        self._make_detokenizer(), StopChecker(params, self.eos_token_ids),
                        to_fork=0 if params.beam_width else params.n - 1,

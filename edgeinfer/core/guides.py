@@ -12,16 +12,21 @@ target's distribution at every position is the guided one and rejection sampling
 The output ends ("stop") once the grammar can take nothing more.
 
 Compilation is cached by (kind, spec): a compiled matcher is kept as a template and each sequence
-gets a deep copy (microseconds; compiling a schema takes a millisecond or more).
+gets a deep copy (microseconds; compiling a schema takes a millisecond or more, a large one far
+more). The engine compiles a request's guide into the cache in a worker thread before it reaches
+the scheduler (`GuideCompiler.compile`), so neither that nor the library's tokenizer (built on
+first use) blocks the event loop; the cache is therefore guarded by a lock.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from edgeinfer.core.sampling_params import InvalidParams
 
@@ -69,7 +74,8 @@ class Guide:
         return tuple(masks)
 
     def advance(self, token_id: int) -> None:
-        """Take an accepted token; a token the mask did not allow is a bug (AssertionError)."""
+        """Take an accepted token. Raises RuntimeError for a token the mask did not allow (a bug:
+        the scheduler fails that request alone)."""
         self._consume(token_id)
         self._mask = None
 
@@ -79,8 +85,9 @@ class Guide:
         return self._matcher.is_stopped()
 
     def _consume(self, token_id: int) -> None:
-        ok = self._matcher.consume_token(token_id)
-        assert ok and not self._matcher.is_error(), f"the guide refused token {token_id}: {self._matcher.get_error()}"
+        # Checked even under -O: a matcher left in its error state would let any token through.
+        if not self._matcher.consume_token(token_id) or self._matcher.is_error():
+            raise RuntimeError(f"the guide refused token {token_id}: {self._matcher.get_error()[:300]}")
 
 
 class GuideCompiler:
@@ -97,41 +104,53 @@ class GuideCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()  # LRU
         self._max_cached = max_cached
+        self._lock = threading.Lock()  # the cache: the engine's worker threads fill it, the scheduler reads
+        self._tokenizer_lock = threading.Lock()
 
-    def guide(self, kind: str, spec: str) -> Guide:
-        """A fresh state of the guide, compiled once per (kind, spec). Raises GuideError."""
+    def compile(self, kind: str, spec: str) -> llguidance.LLMatcher:
+        """The compiled template of a guide, from the cache or compiled now. Raises GuideError."""
         key = (kind, spec)
-        template = self._templates.get(key)
-        if template is None:
-            template = self._compile(kind, spec)
+        with self._lock:
+            template = self._templates.get(key)
+            if template is not None:
+                self._templates.move_to_end(key)
+                return template
+        template = self._compile(kind, spec)  # outside the lock: it may take long
+        with self._lock:
             self._templates[key] = template
             if len(self._templates) > self._max_cached:
                 self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(key)
-        return Guide(template.deep_copy())
+        return template
+
+    def guide(self, kind: str, spec: str) -> Guide:
+        """A fresh state of the guide, compiled once per (kind, spec). Raises GuideError."""
+        return Guide(self.compile(kind, spec).deep_copy())
 
     @property
     def num_cached(self) -> int:
         return len(self._templates)
 
     def _compile(self, kind: str, spec: str) -> llguidance.LLMatcher:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size,
-                                                     eos_token=self._eos_token_ids)
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size,
+                                                         eos_token=self._eos_token_ids)
         if kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
         elif kind == "json_schema":
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(spec), JSON_OPTIONS)
             except ValueError as exc:
-                raise GuideError(f"the json_schema guide cannot be compiled: {exc}") from None
+                raise GuideError(f"guide: the json_schema cannot be compiled by llguidance: {exc}") from None
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         else:
             assert kind == "grammar", kind  # SamplingParams checked the kind
-            grammar = llguidance.LLMatcher.grammar_from_lark(spec)
+            try:  # Lark as llguidance reads it, or llama.cpp's GBNF (converted to Lark)
+                grammar = llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
+            except Exception as exc:  # the converter raises what its parser meets  # noqa: BLE001
+                raise GuideError(f"guide: the grammar is neither Lark nor GBNF: {exc}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GuideError(f"the {kind} guide cannot be compiled: {matcher.get_error()}")
+            raise GuideError(f"guide: the {kind} cannot be compiled by llguidance: {matcher.get_error()}")
         return matcher

@@ -41,7 +41,8 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_BEAM_WIDTH = 16
 MAX_GUIDE_SPEC_CHARS = 1 << 16  # a schema, regex or grammar; compiling it is the client's cost to bound
 # SamplingParams.guide kinds: the spec is a JSON schema (json_schema), a regex matched by the whole
-# output (regex), a Lark grammar (grammar, llguidance's dialect), or ignored (json_object: any JSON object).
+# output (regex), a grammar (grammar: Lark as llguidance reads it, or llama.cpp's GBNF), or ignored
+# (json_object: any JSON object).
 GUIDE_KINDS = ("json_object", "json_schema", "regex", "grammar")
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax (division would overflow anyway)
 

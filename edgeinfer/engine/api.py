@@ -34,7 +34,7 @@ from anyio.abc import TaskStatus
 
 from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
 from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, INVALID_PARAMS, Error, Event, Finished, Health
-from edgeinfer.core.guides import GuideCompiler
+from edgeinfer.core.guides import GuideCompiler, GuideError
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import InvalidParams, with_model_defaults
 from edgeinfer.core.scheduler import Scheduler
@@ -89,6 +89,7 @@ class Engine:
         self._scheduler_config = config.scheduler
         self._max_model_len: int | None = None  # from_runner's; else the runtime's context_length
         self._sampler: Sampler = sample
+        self._guides: GuideCompiler | None = None  # the scheduler's; requests warm its cache first
         self._health = Health("starting")
         self._consecutive_failures = 0  # model steps failed since the last one that succeeded
         self.error: BaseException | None = None  # why the actors stopped, if they failed
@@ -150,6 +151,7 @@ class Engine:
         if draft is not None and (draft.pool.num_blocks, draft.pool.block_size) != (pool.num_blocks, pool.block_size):
             raise ValueError(f"the draft model's pool ({draft.pool.num_blocks} x {draft.pool.block_size}) must have "
                              f"the target pool's blocks ({pool.num_blocks} x {pool.block_size})")
+        self._guides = _guide_compiler(self._tokenizer, c.vocab_size, c.eos_token_ids)
         scheduler = Scheduler(
             self._scheduler_config, num_blocks=pool.num_blocks, block_size=pool.block_size,
             max_model_len=self.config.runtime.context_length(c.max_position) if self._max_model_len is None
@@ -159,7 +161,7 @@ class Engine:
             make_detokenizer=self._tokenizer.detokenizer,
             namespace=f"{c.architecture}/{c.vocab_size}/{c.hidden_size}/{c.num_layers}",
             activation_bytes_per_token=self._runner.activation_bytes_per_token,
-            guides=_guide_compiler(self._tokenizer, c.vocab_size, c.eos_token_ids))
+            guides=self._guides)
         model_ref, self._model_inbox = mailbox("model", 1)
         self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
         self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids, sampler=self._sampler,
@@ -314,6 +316,11 @@ class RequestStream:
                 p = with_model_defaults(p, request.params_given, engine.tokenizer.sampling_defaults)
             except InvalidParams as exc:
                 return Error(request.request_id, INVALID_PARAMS, f"{exc} (with the model's generation defaults)")
+        if p.guide is not None and engine._guides is not None:
+            try:  # compiled into the scheduler's cache here, in a worker thread, off the event loop
+                await anyio.to_thread.run_sync(engine._guides.compile, *p.guide)
+            except GuideError as exc:
+                return Error(request.request_id, INVALID_PARAMS, str(exc))
         room = 2 + (p.prompt_logprobs is not None) + p.n * p.max_tokens + 1
         send, self._receive = anyio.create_memory_object_stream[Event](room)
         try:

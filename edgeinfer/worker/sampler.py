@@ -187,14 +187,16 @@ def _guide_fields(guide_masks: Sequence[bytes] | None) -> dict[str, torch.Tensor
     return {"guide_rows": torch.tensor(rows, dtype=torch.int64), "guide_words": words.view(len(rows), -1)}
 
 
-def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(G, vocab_size) bool from (G, W) int32 bitmask words: bit t % 32 of word t // 32 allows
-    token t; tokens past 32 * W are not allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1).bool()  # (G, 32 W)
-    if bits.shape[-1] >= vocab_size:
-        return bits[:, :vocab_size]
-    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[-1]), value=False)
+def refused_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(G, vocab_size) bool, True where the (G, W) int32 bitmask words refuse a token: bit t % 32
+    of word t // 32 (little-endian: bit t % 8 of byte t // 8) allows token t; tokens past 32 * W
+    are refused. One table lookup per mask byte: a shift per bit costs several times more."""
+    num_rows = words.shape[0]
+    table = ((torch.arange(256, device=words.device)[:, None] >> torch.arange(8, device=words.device)) & 1) == 0
+    refused = table.index_select(0, words.view(torch.uint8).reshape(-1).long()).view(num_rows, -1)  # (G, 32 W)
+    if refused.shape[-1] >= vocab_size:
+        return refused[:, :vocab_size]
+    return torch.nn.functional.pad(refused, (0, vocab_size - refused.shape[-1]), value=True)
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
@@ -227,8 +229,11 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     if has_suppress:
         logits[batch.suppress_rows, batch.suppress_ids] = -math.inf
     if guided:
-        allowed = allowed_tokens(batch.guide_words, logits.shape[-1])
-        logits[batch.guide_rows] = logits[batch.guide_rows].masked_fill(~allowed, -math.inf)
+        refused = refused_tokens(batch.guide_words, logits.shape[-1])
+        if batch.guide_rows.numel() == logits.shape[0]:  # every row (rows are ascending): in place
+            logits.masked_fill_(refused, -math.inf)
+        else:
+            logits[batch.guide_rows] = logits[batch.guide_rows].masked_fill(refused, -math.inf)
     return logits
 
 

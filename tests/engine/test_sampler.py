@@ -202,3 +202,45 @@ def test_truncation_matches_reference_on_a_large_vocabulary():
             expected = reference_probs(logits[row], **kwargs[row])
             assert torch.equal(probs[i] > 0, expected > 0), kwargs[row]
             assert torch.allclose(probs[i].double(), expected, atol=1e-6), kwargs[row]
+
+
+def pack_mask(allowed: list[bool]) -> bytes:
+    """SeqStep.guide_masks' format, by plain integer arithmetic: bit t % 32 of word t // 32."""
+    words = [0] * ((len(allowed) + 31) // 32)
+    for t, ok in enumerate(allowed):
+        words[t // 32] |= int(ok) << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+def test_guide_masks_match_the_grammar_library_and_leave_other_rows_alone():
+    llg_numpy = pytest.importorskip("llguidance.numpy")
+    np = pytest.importorskip("numpy")
+    vocab, gen = 70, torch.Generator().manual_seed(5)  # 70: the last mask word is partly used
+    logits = torch.randn(5, vocab, generator=gen) * 2
+    allowed = torch.rand(5, vocab, generator=gen) < 0.3
+    masks = [pack_mask(allowed[i].tolist()) if i in (0, 2, 3) else b"" for i in range(5)]
+    params = [SamplingParams(temperature=0.8, seed=i, logit_bias={1: 2.0}) for i in range(5)]
+    guided = SamplingBatch.from_params(params, [[]] * 5, [[]] * 5, vocab, guide_masks=masks)
+    plain = SamplingBatch.from_params(params, [[]] * 5, [[]] * 5, vocab)
+    expected = processed_logits(logits, plain).numpy().copy()
+    words = np.stack([np.frombuffer(masks[i], dtype=np.int32) for i in (0, 2, 3)])
+    rows = expected[[0, 2, 3]]
+    llg_numpy.apply_token_bitmask_inplace(rows, words)
+    expected[[0, 2, 3]] = rows
+    assert torch.equal(processed_logits(logits, guided), torch.from_numpy(expected))
+    out, alone = sample(logits, guided).token_ids, sample(logits, plain).token_ids
+    assert out[[1, 4]].tolist() == alone[[1, 4]].tolist()  # seeded rows without a mask: unchanged
+
+
+def test_masked_rows_never_pick_a_disallowed_token_and_keep_the_masked_distribution():
+    gen = torch.Generator().manual_seed(6)
+    allowed = torch.rand(VOCAB, generator=gen) < 0.5
+    allowed[LOGITS.argmax()] = False  # the favourite is refused
+    params = SamplingParams(temperature=1.3, top_p=0.9)
+    batch = SamplingBatch.from_params([params] * NUM_SAMPLES, [[]] * NUM_SAMPLES, [[]] * NUM_SAMPLES, VOCAB,
+                                      generator=gen, guide_masks=[pack_mask(allowed.tolist())] * NUM_SAMPLES)
+    tokens = sample(LOGITS.expand(NUM_SAMPLES, -1), batch).token_ids
+    assert allowed[tokens].all()
+    masked = LOGITS.masked_fill(~allowed, -math.inf)
+    counts = torch.bincount(tokens, minlength=VOCAB)
+    assert chi_square_pvalue(counts, reference_probs(masked, temperature=1.3, top_p=0.9)) > 1e-3

@@ -87,6 +87,10 @@ def test_calls_in_openais_shape_whole_and_streamed_on_the_echo_engine() -> None:
                 bad = await http.post(f"{base}/chat/completions", json={**kwargs, "tool_choice": {
                     "type": "function", "function": {"name": "nope"}}}, headers={"Authorization": f"Bearer {TOKEN}"})
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+                both = await http.post(f"{base}/chat/completions", json={
+                    **kwargs, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                    headers={"Authorization": f"Bearer {TOKEN}"})
+                assert both.status_code == 400 and both.json()["error"]["param"] == "tool_choice"
 
     asyncio.run(asyncio.wait_for(main(), 60))
 

@@ -213,3 +213,13 @@ def test_generate_and_chat_name_the_params_the_client_set() -> None:
     assert wire.parse_frame(json.dumps(frame), 1 << 20).params_given == {"temperature"}
     chat = {"type": "chat", "id": "b", "messages": [{"role": "user", "content": "hi"}]}
     assert wire.parse_frame(json.dumps(chat), 1 << 20).params_given == frozenset()
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_a_guide_parses_and_a_malformed_one_is_invalid_params(binary):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    gen = parse({"type": "generate", "id": "g", "prompt": "Hi", "params": {"guide": ["json_schema", schema]}}, binary)
+    assert gen.params.guide == ("json_schema", schema)
+    for bad, words in ((["yaml", "a: 1"], "kind"), (["json_schema", "{"], "not JSON"), ("regex", "pair")):
+        err = error_of({"type": "generate", "id": "g", "prompt": "a", "params": {"guide": bad}})
+        assert (err.code, err.request_id) == ("invalid_params", "g") and "guide" in err.message and words in err.message
