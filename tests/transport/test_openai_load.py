@@ -57,28 +57,30 @@ def test_streaming_clients_match_their_solo_runs_and_disconnects_free_the_pool(
             assert reply.usage.completion_tokens == max_tokens
             solo[prompt] = reply.choices[0].message.content
 
-        async def stream(i: int) -> tuple[str, list[str], str | None]:
+        async def stream(i: int) -> tuple[str, list[str], str | None, int | None]:
             prompt = prompts[i % len(prompts)]
             leaves = i % 2 == 1  # half the clients go after their second piece of text
-            chunks = await client.chat.completions.create(**_request(prompt, max_tokens), stream=True)
+            chunks = await client.chat.completions.create(**_request(prompt, max_tokens), stream=True,
+                                                          stream_options={"include_usage": True})
             pieces: list[str] = []
-            finish = None
+            finish, num_tokens = None, None
             async for chunk in chunks:
+                num_tokens = chunk.usage.completion_tokens if chunk.usage else num_tokens
                 for choice in chunk.choices:
                     pieces += [choice.delta.content] if choice.delta.content else []
                     finish = choice.finish_reason or finish
                 if leaves and len(pieces) == 2:
                     await chunks.close()
                     break
-            return prompt, pieces, finish
+            return prompt, pieces, finish, num_tokens
 
         results = await asyncio.gather(*(stream(i) for i in range(num_clients)))
-        for i, (prompt, pieces, finish) in enumerate(results):
+        for i, (prompt, pieces, finish, num_tokens) in enumerate(results):
             text = "".join(pieces)
             if i % 2:
                 assert len(pieces) == 2 and solo[prompt].startswith(text), (i, text, solo[prompt])
             else:
-                assert (text, finish) == (solo[prompt], "length"), (i, text, solo[prompt])
+                assert (text, finish, num_tokens) == (solo[prompt], "length", max_tokens), (i, text, solo[prompt])
         engine, server = live.engine, live.server
         deadline = time.monotonic() + 30
         while True:
