@@ -205,9 +205,9 @@ def _parse_calls(text: str, family: str) -> list[tuple[str, str]]:
         elif family == "mistral":
             obj, _ = decoder.raw_decode(text.removeprefix("[TOOL_CALLS]").strip())
             found = obj if isinstance(obj, list) else [obj]
-        else:
+        else:  # the wrapper asked for, or a bare call as small models often write it
             obj, _ = decoder.raw_decode(text)
-            found = obj.get("tool_calls") if isinstance(obj, dict) else None
+            found = obj.get("tool_calls", [obj] if "name" in obj else None) if isinstance(obj, dict) else None
             if not isinstance(found, list):
                 return []
     except ValueError:

@@ -147,6 +147,11 @@ def test_hermes_content_before_a_call_streams_first() -> None:
     assert rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
 
 
+def test_generic_takes_a_bare_call_too() -> None:
+    content, calls = parse_tool_calls(' {"name": "add", "arguments": {"a": 1, "b": 2}}', "generic")
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+
+
 def test_generic_chat_describes_tools_and_writes_history() -> None:
     messages, tools = prepare_chat(conversations(MISTRAL_V03)[1], TOOLS, "generic")
     assert tools is None and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
