@@ -1,6 +1,7 @@
 """Tool calls through the OpenAI API, driven by the official `openai` client: the response and
 stream shapes on the echo engine (deterministic: it answers with the last message's words, so a
-message holding a call in the generic format comes back as that call), `tool_choice` "required"
+message holding a call in the generic format comes back as that call) with the API key and
+browser Origin rules, `tool_choice` "required"
 and a named function on the default model (every answer a call whose arguments validate against
 the tool's schema), a tool-calling history through the template, and the API key."""
 
@@ -84,6 +85,13 @@ def test_calls_in_openais_shape_whole_and_streamed_on_the_echo_engine() -> None:
             assert (await openai.AsyncOpenAI(base_url=base, api_key=TOKEN, timeout=30).models.list()).data
             async with httpx.AsyncClient() as http:
                 assert (await http.get(f"http://127.0.0.1:{server.port}/healthz")).status_code == 200
+                assert (await http.get(f"{base}/models")).json()["error"]["code"] == "invalid_api_key"
+                # Browsers: the websocket's Origin rule (only the server's own page).
+                key = {"Authorization": "Bearer sk-local-key"}
+                evil = await http.get(f"{base}/models", headers={**key, "Origin": "http://evil.example"})
+                assert evil.status_code == 403 and evil.json()["error"]["code"] == "forbidden_origin"
+                own = await http.get(f"{base}/models", headers={**key, "Origin": f"http://127.0.0.1:{server.port}"})
+                assert own.status_code == 200
                 bad = await http.post(f"{base}/chat/completions", json={**kwargs, "tool_choice": {
                     "type": "function", "function": {"name": "nope"}}}, headers={"Authorization": f"Bearer {TOKEN}"})
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
