@@ -21,10 +21,8 @@ import contextlib
 import itertools
 import json
 import math
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -42,7 +40,6 @@ from edgeinfer.core.events import (
     Finished,
     RequestError,
     Token,
-    TokenLogprob,
     Usage,
 )
 from edgeinfer.core.request import GenerateRequest
@@ -62,36 +59,21 @@ from transport.openai_schema import (
     sampling_params,
     tool_choice,
 )
-from transport.tool_calls import ToolCall, ToolCallStream, prepare_chat, template_family
+from transport.openai_shapes import (
+    Choice,
+    Reply,
+    chat_choice,
+    completion_choice,
+    logprobs_of,
+    new_choices,
+    timings_of,
+    tool_call_deltas,
+    usage_of,
+)
+from transport.tool_calls import prepare_chat, template_family
 from transport.tool_guides import tool_call_guide
 
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-
-
-@dataclass
-class _Choice:
-    """One choice's text and logprobs as they stream in, and how it ended."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    tool_calls: ToolCallStream | None = None  # a chat with tools: splits content from calls
-
-
-@dataclass
-class _Reply:
-    """What one API request is answering: its id, shape, model name and options."""
-
-    chat: bool
-    model: str
-    n: int
-    logprobs: bool
-    include_usage: bool
-    guide_param: str | None = None  # the parameter a guide came from (transport.openai_guide)
-    tool_family: str | None = None  # the chat template's call syntax, when calls are parsed
-    parallel_tool_calls: bool = True
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 class OpenAIApi:
@@ -195,7 +177,7 @@ class OpenAIApi:
             guide = tool_call_guide(family, tools, forced, body.parallel_tool_calls is not False)
             guide_param = "tool_choice"
         params = sampling_params(body, guide, guide_param)
-        reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
+        reply = Reply(True, self.server.model_name, body.n, body.logprobs,
                        bool(body.stream_options and body.stream_options.include_usage), guide_param,
                        tool_family=family if tools else None, parallel_tool_calls=body.parallel_tool_calls is not False)
         gen = GenerateRequest(self._engine_id(), messages=tuple(messages), params=params,
@@ -208,7 +190,7 @@ class OpenAIApi:
         self._check_model(body.model)
         guide, guide_param = guide_of(body)
         params = sampling_params(body, guide, guide_param)
-        reply = _Reply(False, self.server.model_name, body.n, body.logprobs is not None,
+        reply = Reply(False, self.server.model_name, body.n, body.logprobs is not None,
                        bool(body.stream_options and body.stream_options.include_usage), guide_param)
         given = given_fields(body)
         gens = [GenerateRequest(self._engine_id(), prompt=p, params=params, params_given=given) if isinstance(p, str)
@@ -221,7 +203,7 @@ class OpenAIApi:
 
     # ---- answering ------------------------------------------------------------------------
 
-    async def _answer(self, gens: list[GenerateRequest], reply: _Reply, stream: bool, prompt_param: str) -> Response:
+    async def _answer(self, gens: list[GenerateRequest], reply: Reply, stream: bool, prompt_param: str) -> Response:
         reply.id = ("chatcmpl-" if reply.chat else "cmpl-") + uuid.uuid4().hex
         streams = [self.server.engine.generate(g) for g in gens]
         self.in_flight += 1
@@ -245,20 +227,20 @@ class OpenAIApi:
         finally:
             self.in_flight -= 1
 
-    async def _collect(self, streams: list[Any], reply: _Reply, prompt_param: str) -> dict[str, Any]:
-        choices = _choices(len(streams) * reply.n, reply)
+    async def _collect(self, streams: list[Any], reply: Reply, prompt_param: str) -> dict[str, Any]:
+        choices = new_choices(len(streams) * reply.n, reply)
         usages: list[Usage] = []
         async for prompt_index, event in _merged(streams):
             self._on_event(prompt_index, event, reply, choices, usages, prompt_param)
         tokenizer = self.server.engine.tokenizer if reply.logprobs else None
         return {"id": reply.id, "object": "chat.completion" if reply.chat else "text_completion",
                 "created": reply.created, "model": reply.model,
-                "choices": [_chat_choice(i, c, tokenizer, reply) if reply.chat else _completion_choice(i, c, tokenizer)
+                "choices": [chat_choice(i, c, tokenizer, reply) if reply.chat else completion_choice(i, c, tokenizer)
                             for i, c in enumerate(choices)],
-                "usage": _usage(usages), "timings": _timings(usages)}
+                "usage": usage_of(usages), "timings": timings_of(usages)}
 
-    async def _sse(self, streams: list[Any], reply: _Reply, prompt_param: str) -> AsyncIterator[str]:
-        choices = _choices(len(streams) * reply.n, reply)
+    async def _sse(self, streams: list[Any], reply: Reply, prompt_param: str) -> AsyncIterator[str]:
+        choices = new_choices(len(streams) * reply.n, reply)
         usages: list[Usage] = []
         tokenizer = self.server.engine.tokenizer if reply.logprobs else None
         try:
@@ -275,28 +257,28 @@ class OpenAIApi:
                     index = prompt_index * reply.n + event.index
                     choice = choices[index]
                     offset = sum(len(t) for t in choice.text) - len(event.text)  # text before this chunk
-                    logprobs = _logprobs(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
+                    logprobs = logprobs_of(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
                     text = choice.tool_calls.push(event.text) if choice.tool_calls else event.text
                     delta = {"delta": {"content": text}} if reply.chat else {"text": text}
                     if text or logprobs:
                         yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs,
                                                    "finish_reason": None}])
                 for index in ended:
-                    for delta in _tool_call_deltas(choices[index], reply):
+                    for delta in tool_call_deltas(choices[index], reply):
                         yield self._chunk(reply, [{"index": index, "delta": delta, "logprobs": None,
                                                    "finish_reason": None}])
                     done = {"delta": {}} if reply.chat else {"text": ""}
-                    last = {"timings": _timings(usages)} if len(usages) == len(streams) else {}
+                    last = {"timings": timings_of(usages)} if len(usages) == len(streams) else {}
                     yield self._chunk(reply, [{"index": index, **done, "logprobs": None,
                                                "finish_reason": choices[index].finish_reason}], extra=last)
             else:
                 if reply.include_usage:
-                    yield self._chunk(reply, [], usage=_usage(usages), extra={"timings": _timings(usages)})
+                    yield self._chunk(reply, [], usage=usage_of(usages), extra={"timings": timings_of(usages)})
             yield "data: [DONE]\n\n"
         finally:
             self.in_flight -= 1
 
-    def _chunk(self, reply: _Reply, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+    def _chunk(self, reply: Reply, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                extra: dict[str, Any] | None = None) -> str:
         obj: dict[str, Any] = {"id": reply.id, "object": "chat.completion.chunk" if reply.chat else "text_completion",
                                "created": reply.created, "model": reply.model, "choices": choices}
@@ -304,7 +286,7 @@ class OpenAIApi:
             obj["usage"] = usage
         return f"data: {json.dumps({**obj, **(extra or {})})}\n\n"
 
-    def _on_event(self, prompt_index: int, event: Event, reply: _Reply, choices: list[_Choice],
+    def _on_event(self, prompt_index: int, event: Event, reply: Reply, choices: list[Choice],
                   usages: list[Usage], prompt_param: str) -> list[int]:
         """Fold one engine event into the choices; returns the indexes of the choices it ended."""
         base = prompt_index * reply.n
@@ -373,86 +355,3 @@ def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_p
     return OpenAIError(500, message, "server_error", None, code)
 
 
-def _token_entry(token_id: int, logprob: float, tokenizer: Any) -> dict[str, Any]:
-    raw = tokenizer.token_bytes([token_id], skip_special=False)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-
-def _logprobs(chat: bool, entries: Any, tokenizer: Any, offset: int) -> dict[str, Any]:
-    """Chat's `content[]` shape, or the completions API's tokens / token_logprobs / top_logprobs /
-    text_offset shape (offsets counted from `offset`, in characters of the completion)."""
-    rows = [(_token_entry(e.token_id, e.logprob, tokenizer), [_token_entry(t, lp, tokenizer) for t, lp in e.top])
-            for e in entries]
-    if chat:
-        return {"content": [{**row, "top_logprobs": top} for row, top in rows], "refusal": None}
-    offsets = list(itertools.accumulate((len(row["token"]) for row, _ in rows), initial=offset))[:-1]
-    return {"tokens": [row["token"] for row, _ in rows], "token_logprobs": [row["logprob"] for row, _ in rows],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in top} for _, top in rows], "text_offset": offsets}
-
-
-def _choices(num: int, reply: _Reply) -> list[_Choice]:
-    family = reply.tool_family
-    return [_Choice(tool_calls=ToolCallStream(family) if family else None) for _ in range(num)]
-
-
-def _finish_calls(choice: _Choice, reply: _Reply) -> tuple[str, list[ToolCall]]:
-    """A finished choice's held content and its calls; a call ends the choice as `tool_calls`."""
-    if choice.tool_calls is None:
-        return "", []
-    rest, calls = choice.tool_calls.finish()
-    if not reply.parallel_tool_calls:
-        calls = calls[:1]
-    if calls:  # calls that parse were complete, even when a length limit ended the answer
-        choice.finish_reason = "tool_calls"
-    return rest, calls
-
-
-def _call_dict(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _tool_call_deltas(choice: _Choice, reply: _Reply) -> list[dict[str, Any]]:
-    """The deltas a streamed choice ends with, as OpenAI streams calls: the held content, then per
-    call one delta with its index, id, type and name (arguments empty), then its arguments."""
-    rest, calls = _finish_calls(choice, reply)
-    deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
-    for i, call in enumerate(calls):
-        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-    return deltas
-
-
-def _chat_choice(index: int, choice: _Choice, tokenizer: Any, reply: _Reply) -> dict[str, Any]:
-    text = "".join(choice.text)
-    if choice.tool_calls is not None:
-        text = choice.tool_calls.push(text)
-    rest, calls = _finish_calls(choice, reply)
-    message: dict[str, Any] = {"role": "assistant", "content": (text + rest) or (None if calls else ""),
-                               "refusal": None}
-    if calls:
-        message["tool_calls"] = [_call_dict(c) for c in calls]
-    return {"index": index, "message": message,
-            "logprobs": _logprobs(True, choice.logprobs, tokenizer, 0) if tokenizer else None,
-            "finish_reason": choice.finish_reason}
-
-
-def _completion_choice(index: int, choice: _Choice, tokenizer: Any) -> dict[str, Any]:
-    return {"index": index, "text": "".join(choice.text),
-            "logprobs": _logprobs(False, choice.logprobs, tokenizer, 0) if tokenizer else None,
-            "finish_reason": choice.finish_reason}
-
-
-def _usage(usages: list[Usage]) -> dict[str, Any]:
-    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in usages)}}
-
-
-def _timings(usages: list[Usage]) -> dict[str, Any]:
-    """The extra field (as llama.cpp's server adds one): the slowest prompt's latencies, in seconds."""
-    if not usages:
-        return {}
-    last = max(usages, key=lambda u: u.total_time_s)
-    return {"queue_time_s": last.queue_time_s, "ttft_s": last.ttft_s, "tpot_s": last.tpot_s,
-            "total_time_s": last.total_time_s, "cached_prompt_tokens": sum(u.cached_prompt_tokens for u in usages)}
