@@ -103,9 +103,17 @@ def test_calls_in_openais_shape_whole_and_streamed_on_the_echo_engine() -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_api_key_is_validated_as_the_user_typed_it() -> None:
-    with pytest.raises(ValueError, match="--api-key"):
-        ServerConfig(token=TOKEN, api_keys=("short",))
+def test_api_key_is_validated_as_the_user_typed_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """From --api-key or $EDGEINFER_API_KEY, refused before the model loads, naming the option."""
+    from edgeinfer.cli.serve import serve_main
+
+    monkeypatch.setenv("EDGEINFER_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("EDGEINFER_API_KEY", "short")
+    assert serve_main(["--port", "0"]) == 2
+    assert "--api-key must be at least 8 characters" in capsys.readouterr().err
+    assert serve_main(["--port", "0", "--api-key", " padded-key "]) == 2
+    assert "--api-key" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
