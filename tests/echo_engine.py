@@ -37,6 +37,7 @@ class EchoTokenizer:
     """Words as tokens: id = crc32(word) mod the vocabulary; enough for clients to count."""
 
     vocab_size = VOCAB_SIZE
+    chat_template = None  # no tool syntax: the OpenAI API uses its generic tool call format
 
     def encode(self, text: str) -> list[int]:
         return [zlib.crc32(w.encode()) % VOCAB_SIZE for w in text.split()]

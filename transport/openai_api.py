@@ -7,7 +7,11 @@ is awaited before answering, so refusals (overloaded, prompt too long) get their
 when streaming. Closing a request's event stream is its cancellation, as on the websocket: a
 client that disconnects mid-stream closes the SSE generator (Starlette watches for the
 disconnect), which closes every engine stream it holds, freeing their KV blocks. `OpenAIApi`
-alone writes its in-flight count, which the server's drain waits on.
+alone writes its in-flight count, which the server's drain waits on. A chat with tools renders
+them for the model's template family and splits each choice into content and `tool_calls`
+(transport.tool_calls); `tool_choice` "required" or a named function adds the guide that forces
+a call (transport.tool_guides). Access: the server's token or an --api-key as Bearer, the
+browser Origin rule of the websocket.
 """
 
 from __future__ import annotations
@@ -17,10 +21,8 @@ import contextlib
 import itertools
 import json
 import math
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -38,7 +40,6 @@ from edgeinfer.core.events import (
     Finished,
     RequestError,
     Token,
-    TokenLogprob,
     Usage,
 )
 from edgeinfer.core.request import GenerateRequest
@@ -56,32 +57,23 @@ from transport.openai_schema import (
     invalid,
     parse,
     sampling_params,
+    tool_choice,
 )
+from transport.openai_shapes import (
+    Choice,
+    Reply,
+    chat_choice,
+    completion_choice,
+    logprobs_of,
+    new_choices,
+    timings_of,
+    tool_call_deltas,
+    usage_of,
+)
+from transport.tool_calls import prepare_chat, template_family
+from transport.tool_guides import tool_call_guide
 
 _FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
-
-
-@dataclass
-class _Choice:
-    """One choice's text and logprobs as they stream in, and how it ended."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Reply:
-    """What one API request is answering: its id, shape, model name and options."""
-
-    chat: bool
-    model: str
-    n: int
-    logprobs: bool
-    include_usage: bool
-    guide_param: str | None = None  # the parameter a guide came from (transport.openai_guide)
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 class OpenAIApi:
@@ -114,9 +106,11 @@ class OpenAIApi:
     def _check_access(self, request: Request) -> None:
         given = request.headers.get("authorization", "")
         token = given[7:].strip() if given.lower().startswith("bearer ") else None
-        if not auth.token_matches(token, self.server.config.token):
+        config = self.server.config
+        if not any(auth.token_matches(token, key) for key in (config.token, *config.api_keys)):
             self.server.counters["refused_token"] += 1
-            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <the server token>'",
+            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the "
+                              "server's --api-key or its token",
                               "invalid_request_error", None, "invalid_api_key")
         if not auth.origin_allowed(request.headers.get("origin"), request.headers.get("host"),
                                    self.server.allowed_hosts, self.server.config.allowed_origins):
@@ -155,7 +149,8 @@ class OpenAIApi:
             tokens = tokenizer.encode(body.prompt, add_special=body.add_special_tokens)
         else:
             chat = ChatRequest(model="", messages=body.messages)
-            text = tokenizer.apply_chat_template([dict(m) for m in chat_messages(chat)])
+            messages, _ = prepare_chat(list(chat_messages(chat)), None, template_family(tokenizer.chat_template))
+            text = tokenizer.apply_chat_template(messages)
             tokens = tokenizer.encode(text, add_special=False)  # the template has them
         return JSONResponse({"tokens": tokens, "count": len(tokens)})
 
@@ -171,10 +166,22 @@ class OpenAIApi:
         body = parse(ChatRequest, await self._json(request))
         self._check_model(body.model)
         guide, guide_param = guide_of(body)
+        choice, forced = tool_choice(body)
+        family = template_family(self.server.engine.tokenizer.chat_template)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if choice != "none" else None
+        messages, template_tools = prepare_chat(list(chat_messages(body)), tools, family)
+        if choice == "required" and tools:  # constrained decoding writes a call in the family's syntax
+            if guide is not None:
+                raise invalid("tool_choice", f"tool_choice {body.tool_choice!r} forces a tool call; it cannot be "
+                              f"combined with {guide_param}")
+            guide = tool_call_guide(family, tools, forced, body.parallel_tool_calls is not False)
+            guide_param = "tool_choice"
         params = sampling_params(body, guide, guide_param)
-        reply = _Reply(True, self.server.model_name, body.n, body.logprobs,
-                       bool(body.stream_options and body.stream_options.include_usage), guide_param)
-        gen = GenerateRequest(self._engine_id(), messages=chat_messages(body), params=params,
+        reply = Reply(True, self.server.model_name, body.n, body.logprobs,
+                       bool(body.stream_options and body.stream_options.include_usage), guide_param,
+                       tool_family=family if tools else None, parallel_tool_calls=body.parallel_tool_calls is not False)
+        gen = GenerateRequest(self._engine_id(), messages=tuple(messages), params=params,
+                              tools=tuple(template_tools) if template_tools else None,
                               params_given=given_fields(body))
         return await self._answer([gen], reply, body.stream, "messages")
 
@@ -183,7 +190,7 @@ class OpenAIApi:
         self._check_model(body.model)
         guide, guide_param = guide_of(body)
         params = sampling_params(body, guide, guide_param)
-        reply = _Reply(False, self.server.model_name, body.n, body.logprobs is not None,
+        reply = Reply(False, self.server.model_name, body.n, body.logprobs is not None,
                        bool(body.stream_options and body.stream_options.include_usage), guide_param)
         given = given_fields(body)
         gens = [GenerateRequest(self._engine_id(), prompt=p, params=params, params_given=given) if isinstance(p, str)
@@ -196,7 +203,7 @@ class OpenAIApi:
 
     # ---- answering ------------------------------------------------------------------------
 
-    async def _answer(self, gens: list[GenerateRequest], reply: _Reply, stream: bool, prompt_param: str) -> Response:
+    async def _answer(self, gens: list[GenerateRequest], reply: Reply, stream: bool, prompt_param: str) -> Response:
         reply.id = ("chatcmpl-" if reply.chat else "cmpl-") + uuid.uuid4().hex
         streams = [self.server.engine.generate(g) for g in gens]
         self.in_flight += 1
@@ -220,20 +227,20 @@ class OpenAIApi:
         finally:
             self.in_flight -= 1
 
-    async def _collect(self, streams: list[Any], reply: _Reply, prompt_param: str) -> dict[str, Any]:
-        choices = [_Choice() for _ in range(len(streams) * reply.n)]
+    async def _collect(self, streams: list[Any], reply: Reply, prompt_param: str) -> dict[str, Any]:
+        choices = new_choices(len(streams) * reply.n, reply)
         usages: list[Usage] = []
         async for prompt_index, event in _merged(streams):
             self._on_event(prompt_index, event, reply, choices, usages, prompt_param)
-        shape = _chat_choice if reply.chat else _completion_choice
         tokenizer = self.server.engine.tokenizer if reply.logprobs else None
         return {"id": reply.id, "object": "chat.completion" if reply.chat else "text_completion",
                 "created": reply.created, "model": reply.model,
-                "choices": [shape(i, c, tokenizer) for i, c in enumerate(choices)],
-                "usage": _usage(usages), "timings": _timings(usages)}
+                "choices": [chat_choice(i, c, tokenizer, reply) if reply.chat else completion_choice(i, c, tokenizer)
+                            for i, c in enumerate(choices)],
+                "usage": usage_of(usages), "timings": timings_of(usages)}
 
-    async def _sse(self, streams: list[Any], reply: _Reply, prompt_param: str) -> AsyncIterator[str]:
-        choices = [_Choice() for _ in range(len(streams) * reply.n)]
+    async def _sse(self, streams: list[Any], reply: Reply, prompt_param: str) -> AsyncIterator[str]:
+        choices = new_choices(len(streams) * reply.n, reply)
         usages: list[Usage] = []
         tokenizer = self.server.engine.tokenizer if reply.logprobs else None
         try:
@@ -248,23 +255,30 @@ class OpenAIApi:
                     break
                 if isinstance(event, Token) and (event.text or reply.logprobs):
                     index = prompt_index * reply.n + event.index
-                    offset = sum(len(t) for t in choices[index].text) - len(event.text)  # text before this chunk
-                    logprobs = _logprobs(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
-                    delta = {"delta": {"content": event.text}} if reply.chat else {"text": event.text}
-                    yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs, "finish_reason": None}])
+                    choice = choices[index]
+                    offset = sum(len(t) for t in choice.text) - len(event.text)  # text before this chunk
+                    logprobs = logprobs_of(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
+                    text = choice.tool_calls.push(event.text) if choice.tool_calls else event.text
+                    delta = {"delta": {"content": text}} if reply.chat else {"text": text}
+                    if text or logprobs:
+                        yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs,
+                                                   "finish_reason": None}])
                 for index in ended:
+                    for delta in tool_call_deltas(choices[index], reply):
+                        yield self._chunk(reply, [{"index": index, "delta": delta, "logprobs": None,
+                                                   "finish_reason": None}])
                     done = {"delta": {}} if reply.chat else {"text": ""}
-                    last = {"timings": _timings(usages)} if len(usages) == len(streams) else {}
+                    last = {"timings": timings_of(usages)} if len(usages) == len(streams) else {}
                     yield self._chunk(reply, [{"index": index, **done, "logprobs": None,
                                                "finish_reason": choices[index].finish_reason}], extra=last)
             else:
                 if reply.include_usage:
-                    yield self._chunk(reply, [], usage=_usage(usages), extra={"timings": _timings(usages)})
+                    yield self._chunk(reply, [], usage=usage_of(usages), extra={"timings": timings_of(usages)})
             yield "data: [DONE]\n\n"
         finally:
             self.in_flight -= 1
 
-    def _chunk(self, reply: _Reply, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+    def _chunk(self, reply: Reply, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                extra: dict[str, Any] | None = None) -> str:
         obj: dict[str, Any] = {"id": reply.id, "object": "chat.completion.chunk" if reply.chat else "text_completion",
                                "created": reply.created, "model": reply.model, "choices": choices}
@@ -272,7 +286,7 @@ class OpenAIApi:
             obj["usage"] = usage
         return f"data: {json.dumps({**obj, **(extra or {})})}\n\n"
 
-    def _on_event(self, prompt_index: int, event: Event, reply: _Reply, choices: list[_Choice],
+    def _on_event(self, prompt_index: int, event: Event, reply: Reply, choices: list[Choice],
                   usages: list[Usage], prompt_param: str) -> list[int]:
         """Fold one engine event into the choices; returns the indexes of the choices it ended."""
         base = prompt_index * reply.n
@@ -341,45 +355,3 @@ def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_p
     return OpenAIError(500, message, "server_error", None, code)
 
 
-def _token_entry(token_id: int, logprob: float, tokenizer: Any) -> dict[str, Any]:
-    raw = tokenizer.token_bytes([token_id], skip_special=False)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-
-def _logprobs(chat: bool, entries: Any, tokenizer: Any, offset: int) -> dict[str, Any]:
-    """Chat's `content[]` shape, or the completions API's tokens / token_logprobs / top_logprobs /
-    text_offset shape (offsets counted from `offset`, in characters of the completion)."""
-    rows = [(_token_entry(e.token_id, e.logprob, tokenizer), [_token_entry(t, lp, tokenizer) for t, lp in e.top])
-            for e in entries]
-    if chat:
-        return {"content": [{**row, "top_logprobs": top} for row, top in rows], "refusal": None}
-    offsets = list(itertools.accumulate((len(row["token"]) for row, _ in rows), initial=offset))[:-1]
-    return {"tokens": [row["token"] for row, _ in rows], "token_logprobs": [row["logprob"] for row, _ in rows],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in top} for _, top in rows], "text_offset": offsets}
-
-
-def _chat_choice(index: int, choice: _Choice, tokenizer: Any) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
-            "logprobs": _logprobs(True, choice.logprobs, tokenizer, 0) if tokenizer else None,
-            "finish_reason": choice.finish_reason}
-
-
-def _completion_choice(index: int, choice: _Choice, tokenizer: Any) -> dict[str, Any]:
-    return {"index": index, "text": "".join(choice.text),
-            "logprobs": _logprobs(False, choice.logprobs, tokenizer, 0) if tokenizer else None,
-            "finish_reason": choice.finish_reason}
-
-
-def _usage(usages: list[Usage]) -> dict[str, Any]:
-    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in usages)}}
-
-
-def _timings(usages: list[Usage]) -> dict[str, Any]:
-    """The extra field (as llama.cpp's server adds one): the slowest prompt's latencies, in seconds."""
-    if not usages:
-        return {}
-    last = max(usages, key=lambda u: u.total_time_s)
-    return {"queue_time_s": last.queue_time_s, "ttft_s": last.ttft_s, "tpot_s": last.tpot_s,
-            "total_time_s": last.total_time_s, "cached_prompt_tokens": sum(u.cached_prompt_tokens for u in usages)}

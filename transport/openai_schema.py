@@ -10,16 +10,16 @@ name (`REFUSED_*`), never silently dropped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgeinfer.core.sampling_params import InvalidParams, SamplingParams
 
 # OpenAI fields the engine cannot honour (yet): a request that sets one gets a 400 naming it.
-REFUSED_COMMON = ("tools", "tool_choice", "functions", "function_call", "audio",
+REFUSED_COMMON = ("functions", "function_call", "audio",
                   "modalities", "prediction", "web_search_options", "suffix", "best_of")
-REFUSED_TRUE = ("echo", "parallel_tool_calls")  # refused only when true: false is what we do anyway
+REFUSED_TRUE = ("echo",)  # refused only when true: false is what we do anyway
 
 
 class OpenAIError(Exception):
@@ -55,10 +55,44 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, earlier in the chat
+    tool_call_id: str | None = None  # a tool message answers this call
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Generation(_Lenient):
@@ -92,6 +126,9 @@ class _Generation(_Lenient):
 
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -149,16 +186,16 @@ def _param_name(loc: tuple[Any, ...]) -> str | None:
     return name or None
 
 
-def chat_messages(request: ChatRequest) -> tuple[dict[str, str], ...]:
-    """Messages as the chat template takes them: roles system/user/assistant, text content only."""
+def chat_messages(request: ChatRequest) -> tuple[dict[str, Any], ...]:
+    """Messages as chat templates take them (transformers' shape): roles system/user/assistant/tool,
+    text content, an assistant's `tool_calls` and a tool message's `tool_call_id` (keys present only
+    when set: templates test `'tool_calls' in message`)."""
     messages = []
     for i, message in enumerate(request.messages):
         role = "system" if message.role == "developer" else message.role
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise invalid(f"messages[{i}].role", f"role {message.role!r} is not supported "
-                          "(system, developer, user, assistant)")
-        if message.model_extra and message.model_extra.get("tool_calls"):
-            raise invalid(f"messages[{i}].tool_calls", "tool calls are not supported by this server yet")
+                          "(system, developer, user, assistant, tool)")
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -168,8 +205,35 @@ def chat_messages(request: ChatRequest) -> tuple[dict[str, str], ...]:
                                   f"content parts of type {part.type!r} are not supported (text only)")
                 texts.append(part.text)
             content = "".join(texts)
-        messages.append({"role": role, "content": content or ""})
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if message.tool_calls and role == "assistant":
+            entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                   for c in message.tool_calls]
+        if role == "tool":
+            if message.tool_call_id is None:
+                raise invalid(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
+            entry["tool_call_id"] = message.tool_call_id
+            if message.name is not None:
+                entry["name"] = message.name
+        messages.append(entry)
     return tuple(messages)
+
+
+def tool_choice(request: ChatRequest) -> tuple[str, str | None]:
+    """("none" | "auto" | "required", the function a named choice forces); OpenAI's default is
+    "auto" with tools and "none" without."""
+    choice = request.tool_choice
+    names = [t.function.name for t in request.tools or ()]
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(choice, str):
+        if choice == "required" and not names:
+            raise invalid("tool_choice", "tool_choice 'required' needs tools")
+        return choice, None
+    if choice.function.name not in names:
+        raise invalid("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in tools")
+    return "required", choice.function.name
 
 
 def completion_prompts(request: CompletionRequest) -> list[str | tuple[int, ...]]:

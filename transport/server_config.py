@@ -27,6 +27,8 @@ class ServerConfig:
     hello_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
     allowed_origins: tuple[str, ...] = ()  # origins besides the server's own page
+    # Keys the OpenAI API (/v1/*) takes as `Authorization: Bearer` besides the token (--api-key).
+    api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.token) < 16:
@@ -37,6 +39,8 @@ class ServerConfig:
                      "send_queue_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if any(len(key) < 8 or key != key.strip() for key in self.api_keys):
+            raise ValueError("--api-key must be at least 8 characters, without surrounding spaces")
         if self.hello_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("ServerConfig.hello_timeout_s must be > 0 and drain_timeout_s >= 0")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from transport import auth, daemon
 from transport.server import ServerConfig
 
 DEFAULT_PORT = 8765
+API_KEY_ENV = "EDGEINFER_API_KEY"
 
 
 def _serve_parser(prog: str) -> argparse.ArgumentParser:
@@ -47,6 +49,9 @@ def _serve_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-frame-bytes", type=int, default=1 << 20, help="largest websocket frame accepted")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     p.add_argument("--allow-origin", action="append", default=[], help="extra browser Origin to allow")
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"a key the OpenAI API (/v1) accepts as 'Authorization: Bearer KEY', besides the "
+                        f"server's token; ${API_KEY_ENV} when not given")
     add_log_level(p)
     p.add_argument("--daemon-state", help=argparse.SUPPRESS)  # set by `edgeinfer daemon start`
     return p
@@ -64,7 +69,8 @@ def serve_main(argv: list[str]) -> int:
                               max_connections=args.max_connections,
                               max_requests_per_connection=args.max_requests_per_connection,
                               max_frame_bytes=args.max_frame_bytes, drain_timeout_s=args.drain_timeout,
-                              allowed_origins=tuple(args.allow_origin))
+                              allowed_origins=tuple(args.allow_origin),
+                              api_keys=tuple(k for k in (args.api_key or os.environ.get(API_KEY_ENV),) if k))
         if args.draft_model and args.speculative != "off":
             raise ValueError("--speculative ngram and --draft-model are two drafters: choose one")
         config = ServiceConfig(server, str(model_path(args.model)), runtime_config(args),

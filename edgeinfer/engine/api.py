@@ -252,7 +252,8 @@ class Engine:
         if request.prompt is not None:
             return tuple(self.tokenizer.encode(request.prompt))
         if request.messages is not None:
-            text = self.tokenizer.apply_chat_template([dict(m) for m in request.messages])
+            tools = [dict(t) for t in request.tools] if request.tools else None
+            text = self.tokenizer.apply_chat_template([dict(m) for m in request.messages], tools=tools)
             return tuple(self.tokenizer.encode(text, add_special=False))  # the template has them
         return tuple(int(t) for t in request.prompt_token_ids)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import codecs
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -184,22 +185,35 @@ class Tokenizer:
             pieces[offsets[i]:offsets[i + 1]] for i in token_ids if not (skip_special and i in self.special_ids)
         )
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat rendered by the model's template, as transformers' `apply_chat_template` renders
+        it: the same sandbox, `tojson` (unescaped, with indent/separators/sort_keys), `strftime_now`
+        and `raise_exception`, and `tools` (OpenAI-shaped function dicts) in the template's own variable."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         if self._template is None:
+            from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message: str) -> None:
                 raise ValueError(f"chat template error: {message}")
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                       separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+                # jinja's own tojson escapes HTML characters; templates are written against HF's.
+                return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                                  sort_keys=sort_keys)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
             env.globals["raise_exception"] = raise_exception
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = tojson
             self._template = env.from_string(self.chat_template)
         name = lambda i: "" if i is None else self.backend.id_to_token(i)  # noqa: E731
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=name(self.bos_token_id),
             eos_token=name(self.eos_token_id),

@@ -165,7 +165,7 @@ def test_error_shapes_from_the_real_engine(live: LiveServer) -> None:
     assert error_of(post(chat, {"Authorization": "Bearer wrong-token-0123456789"}), 401)["code"] == "invalid_api_key"
     assert error_of(post(b"{oops"), 400)["type"] == "invalid_request_error"
     cases = [({"temperature": 5}, "temperature"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
-             ({"top_p": "x"}, "top_p"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"tools": [{}]}, "tools"),
+             ({"top_p": "x"}, "top_p"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"tools": [{}]}, "tools[0].type"),
              ({"response_format": {"type": "xml"}}, "response_format"), ({"top_logprobs": 2}, "top_logprobs"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
               "messages[0].content[0].type"), ({"messages": []}, "messages"), ({"n": 0}, "n")]

@@ -1,0 +1,209 @@
+"""Tool calls per template family: the prompt edgeinfer renders equals transformers'
+`apply_chat_template(tools=...)` on the real templates (tests/chat_templates.py), and the calls a
+template itself writes for an assistant turn parse back to the same names and arguments, whole
+and streamed in random pieces."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from chat_templates import CHATML, FAMILY_TEMPLATES, LLAMA31, LLAMA32, MISTRAL_V03, QWEN25
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from edgeinfer.models.tokenizer import Tokenizer
+from transport.tool_calls import ToolCallStream, parse_tool_calls, prepare_chat, template_family
+
+SPECIALS = {QWEN25: (None, "<|im_end|>"), LLAMA31: ("<|begin_of_text|>", "<|eot_id|>"),
+            LLAMA32: ("<|begin_of_text|>", "<|eot_id|>"), MISTRAL_V03: ("<s>", "</s>"),
+            CHATML: (None, "<|im_end|>")}
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city, in °C",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "e.g. Zürich or 東京"},
+            "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]}}},
+]
+
+
+def _call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def conversations(template: str) -> list[list[dict[str, Any]]]:
+    multi = template is not LLAMA31 and template is not LLAMA32  # Llama 3 takes one call per turn
+    calls = [_call("Ab3dE6gh9", "get_weather", {"city": "Zürich", "unit": "c"})]
+    if multi:
+        calls.append(_call("Zz9yY8xX7", "add", {"a": 17, "b": -4}))
+    results = [{"role": "tool", "tool_call_id": "Ab3dE6gh9", "content": '{"temp": 21.5}'}]
+    if multi:
+        results.append({"role": "tool", "tool_call_id": "Zz9yY8xX7", "content": "13"})
+    return [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Zürich?"}],
+        [{"role": "user", "content": "Weather in Zürich, and 17 + -4?"},
+         {"role": "assistant", "content": "", "tool_calls": calls}, *results,
+         {"role": "assistant", "content": "21.5 °C; 13."}, {"role": "user", "content": "Thanks! And 東京?"}],
+    ]
+
+
+def tokenizers_for(template: str) -> tuple[Tokenizer, PreTrainedTokenizerFast]:
+    bos, eos = SPECIALS[template]
+    vocab = {t: i for i, t in enumerate(t for t in ("[UNK]", bos, eos) if t)}
+    backend = HFTokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    ours = Tokenizer(backend, bos_token_id=vocab.get(bos) if bos else None, eos_token_id=vocab[eos],
+                     add_bos=False, chat_template=template)
+    theirs = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token="[UNK]",
+                                     chat_template=template)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_rendered_prompt_equals_transformers_and_family_is_detected(family: str) -> None:
+    for template in FAMILY_TEMPLATES[family]:
+        assert template_family(template) == family
+        ours, theirs = tokenizers_for(template)
+        for chat in conversations(template):
+            messages, tools = prepare_chat(chat, TOOLS, family)
+            assert (tools is None) == (family == "generic")
+            mine = ours.apply_chat_template(messages, tools=tools)
+            expected = theirs.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            assert mine == expected
+            assert "get_weather" in mine and "Zürich" in mine  # the tools reached the prompt, unescaped
+            if any(m.get("tool_calls") for m in chat):
+                assert "17" in mine and "13" in mine  # the earlier calls and their results too
+
+
+def assistant_turn(template: str, family: str, calls: list[dict[str, Any]]) -> str:
+    """What the template itself writes for an assistant turn with these calls (the model's
+    syntax), without the end-of-turn token the engine stops on."""
+    ours, _ = tokenizers_for(template)
+    user = [{"role": "user", "content": "Weather in Zürich, and 17 + -4?"}]
+    messages, tools = prepare_chat([*user, {"role": "assistant", "content": "", "tool_calls": calls}], TOOLS, family)
+    if family == "generic":
+        return messages[-1]["content"]
+    prompt_messages, _ = prepare_chat(user, TOOLS, family)
+    prompt = ours.apply_chat_template(prompt_messages, tools=tools, add_generation_prompt=family != "mistral")
+    full = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+    assert full.startswith(prompt)
+    turn = full[len(prompt):]
+    for end in ("<|im_end|>\n", "<|eot_id|>", "</s>"):
+        turn = turn.removesuffix(end)
+    return turn
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_calls_the_template_writes_parse_back_whole_and_streamed(family: str) -> None:
+    rng = random.Random(7)
+    template = FAMILY_TEMPLATES[family][0]
+    weather, add = {"city": "Zürich", "unit": "c"}, {"a": 17, "b": -4}
+    call_sets = [[_call("Ab3dE6gh9", "get_weather", weather)]]
+    if family != "llama3":
+        call_sets.append([_call("Ab3dE6gh9", "get_weather", weather), _call("Zz9yY8xX7", "add", add)])
+    for calls in call_sets:
+        text = assistant_turn(template, family, calls)
+        expected = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+        for _ in range(20):
+            stream, content = ToolCallStream(family), []
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+            for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+                content.append(stream.push(text[a:b]))
+            rest, parsed = stream.finish()
+            assert "".join(content).strip() == "" and rest == ""
+            assert [(c.name, json.loads(c.arguments)) for c in parsed] == expected
+        whole_content, whole = parse_tool_calls(text, family)
+        assert [(c.name, json.loads(c.arguments)) for c in whole] == expected and not whole_content.strip()
+        assert len({c.id for c in whole}) == len(whole)
+        if family == "mistral":
+            assert all(len(c.id) == 9 and c.id.isalnum() for c in whole)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_plain_answers_stay_content_streamed_as_they_come(family: str) -> None:
+    answers = ["Paris is the capital of France.", "{curly} but no call", "[1] a citation", "  <tool_ not a call",
+               "I will call <tool_call>{\"name\": 5}</tool_call>", '{"name": "x", "arguments": [1]}',
+               "emoji 😀 <tool_call", ""]
+    for answer in answers:
+        content, calls = parse_tool_calls(answer, family)
+        assert (content, calls) == (answer, [])
+    stream = ToolCallStream(family)
+    assert stream.push("Paris") == "Paris"  # content that cannot start a call is not held
+    assert stream.push(" is") == " is"
+
+
+def test_hermes_content_before_a_call_streams_first() -> None:
+    stream = ToolCallStream("hermes")
+    pieces = [stream.push(p) for p in ["Let me check.", "\n<tool", "_call>\n{\"name\": \"add\", ",
+                                       "\"arguments\": {\"a\": 1, \"b\": 2}}\n</tool_call>"]]
+    assert pieces == ["Let me check.", "\n", "", ""]
+    rest, calls = stream.finish()
+    assert rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+
+
+def test_generic_takes_a_bare_call_too() -> None:
+    content, calls = parse_tool_calls(' {"name": "add", "arguments": {"a": 1, "b": 2}}', "generic")
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+
+
+def test_generic_chat_describes_tools_and_writes_history() -> None:
+    messages, tools = prepare_chat(conversations(MISTRAL_V03)[1], TOOLS, "generic")
+    assert tools is None and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
+    assert {m["role"] for m in messages} == {"system", "user", "assistant"}
+    assert parse_tool_calls(messages[2]["content"], "generic")[1][1].name == "add"
+
+
+def byte_tokenizer() -> tuple[HFTokenizer, int]:
+    """A byte-level BPE without merges (every byte its own token) plus an end token: any text
+    tokenizes, so a guide can be walked over exactly the text a template writes."""
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    from edgeinfer.models.tokenizer import _bytes_to_unicode
+
+    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    backend = HFTokenizer(BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|end|>"])
+    return backend, backend.token_to_id("<|end|>")
+
+
+def allowed(mask: bytes, token_id: int) -> bool:
+    return bool(int.from_bytes(mask[4 * (token_id // 32):4 * (token_id // 32) + 4], "little") >> (token_id % 32) & 1)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
+def test_required_guide_accepts_the_family_syntax_and_the_parser_reads_it(family: str) -> None:
+    from edgeinfer.core.guides import GuideCompiler
+    from transport.tool_guides import tool_call_guide
+
+    backend, end = byte_tokenizer()
+    compiler = GuideCompiler(backend.to_str, backend.get_vocab_size(), [end])
+    weather = _call("Ab3dE6gh9", "get_weather", {"city": "Zürich", "unit": "c"})
+    add = _call("Zz9yY8xX7", "add", {"a": 17, "b": -4})
+    for calls, name, parallel in [([weather], None, True), ([weather], "get_weather", False),
+                                  ([weather, add], None, True), ([add], "add", True)]:
+        if family == "llama3" and len(calls) > 1:
+            continue
+        if family == "mistral":  # the guide leaves out the control token and the ids
+            text = json.dumps([{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                               for c in calls], ensure_ascii=False)
+        else:
+            text = assistant_turn(FAMILY_TEMPLATES[family][0], family, calls)
+        guide = compiler.guide(*tool_call_guide(family, TOOLS, name, parallel))
+        for token_id in backend.encode(text).ids:
+            assert allowed(guide.mask(), token_id), (family, text)
+            guide.advance(token_id)
+        assert guide.is_complete or allowed(guide.mask(), end)
+        assert [c.name for c in parse_tool_calls(text, family)[1]] == [c["function"]["name"] for c in calls]
+    # A call of another tool than the one named, or a second call when not parallel, is refused.
+    wrong = json.dumps({"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
+    guide = compiler.guide(*tool_call_guide("generic", TOOLS, "get_weather"))
+    assert guide.num_valid(backend.encode(wrong).ids) < len(backend.encode(wrong).ids)
