@@ -24,6 +24,7 @@ The ops and their references:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -31,7 +32,8 @@ import os
 import platform
 import shutil
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,9 +238,30 @@ def _load() -> None:
     # concurrent build never leaves a half-written library where the next start would load it.
     build = Path(tempfile.mkdtemp(prefix="build-", dir=library.parent))
     try:
-        load(name=_LIBRARY, sources=[str(p) for p in sources], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-             build_directory=str(build),
-             is_python_module=False, verbose=False)
+        with _compile_progress(build, len(sources)):
+            load(name=_LIBRARY, sources=[str(p) for p in sources], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=str(build), is_python_module=False, verbose=False)
         os.replace(build / f"{_LIBRARY}.so", library)
     finally:
         shutil.rmtree(build, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _compile_progress(build: Path, num_sources: int) -> Iterator[None]:
+    """A progress bar (on a terminal) of the sources compiled so far: ninja writes one object file
+    per source into ``build``, and torch's ``load`` gives no other sign of progress."""
+    from tqdm import tqdm
+
+    done = threading.Event()
+    with tqdm(total=num_sources, desc="compiling CPU kernels", unit="file", disable=None, leave=False) as bar:
+        def poll() -> None:
+            while not done.wait(0.5):
+                bar.update(len(list(build.glob("*.o"))) - bar.n)
+
+        watcher = threading.Thread(target=poll, daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()

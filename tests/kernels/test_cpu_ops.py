@@ -208,3 +208,32 @@ def test_env_var_turns_the_ops_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.stdout.strip() == "False"
+
+
+def test_the_compile_progress_bar_counts_the_object_files_ninja_writes(tmp_path, monkeypatch) -> None:
+    import time
+
+    import tqdm
+
+    shown: list[int] = []
+
+    class Bar:  # records what a terminal would show
+        def __init__(self, total: int, **_: object) -> None:
+            self.total, self.n = total, 0
+
+        def __enter__(self) -> "Bar":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def update(self, k: int) -> None:
+            self.n += k
+            shown.append(self.n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    with cpu_ops._compile_progress(tmp_path, 3):
+        for name in ("a.o", "b.o", "c.o"):
+            (tmp_path / name).touch()
+            time.sleep(0.6)  # the watcher looks every 0.5 s
+    assert shown[-1] == 3 and shown == sorted(shown)
