@@ -1,7 +1,7 @@
 """This machine's int8 dot-product peak: vpdpbusd throughput in GOP/s on 1 and 2 threads.
 
 The yardstick for the int8-activation GEMMs (kernels.cpu_a8; tools/bench_int8_gemm.py states
-its figures as a fraction of it). A tiny C kernel (no memory traffic: 12 independent
+its figures as a fraction of it). A tiny C kernel (no memory traffic: 6-12 independent
 accumulators so the instruction's latency is hidden, 64 or 32 byte-pairs each) is compiled with
 the system C compiler into a temporary library and called through ctypes from one thread per
 core (ctypes drops the GIL). One vpdpbusd on zmm is 64 multiply-adds = 128 ops. --isa avx2
@@ -21,38 +21,43 @@ import threading
 import time
 from pathlib import Path
 
-_ACCUMULATORS = 12
 # (compiler flags, vector type, width prefix, step(acc, a, b), bytes per vector); one ISA per library.
 _ISAS = {
-    "avx512vnni": ("-mavx512f -mavx512bw -mavx512vnni", "__m512i", "_mm512", "_mm512_dpbusd_epi32({acc}, a, b)", 64),
-    "avxvnni": ("-mavx2 -mavxvnni", "__m256i", "_mm256", "_mm256_dpbusd_avx_epi32({acc}, a, b)", 32),
+    "avx512vnni": ("-mavx512f -mavx512bw -mavx512vnni", "__m512i", "_mm512",
+                   "_mm512_dpbusd_epi32({acc}, {a}, {b})", 64),
+    "avxvnni": ("-mavx2 -mavxvnni", "__m256i", "_mm256", "_mm256_dpbusd_avx_epi32({acc}, {a}, {b})", 32),
     "avx2": ("-mavx2", "__m256i", "_mm256",
-             "_mm256_add_epi32({acc}, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones))", 32),
+             "_mm256_add_epi32({acc}, _mm256_madd_epi16(_mm256_maddubs_epi16({a}, {b}), ones))", 32),
 }
+
+
+def _accumulators(isa: str) -> int:
+    """Independent chains: 12 hide vpdpbusd's latency; AVX2 has 16 registers and 7 go to operands."""
+    return 6 if isa == "avx2" else 12
 
 
 def _source(isa: str) -> str:
     _, vec, width, step, _ = _ISAS[isa]
     zero = f"{width}_setzero_si{width[3:]}()"
-    accs = range(_ACCUMULATORS)
-    # An empty asm that "changes" b keeps the compiler from folding the loop, and for AVX2 (whose
-    # vpmaddubsw does not read the accumulator) from computing one product for all accumulators;
-    # after every VNNI step it would add a register move per step instead.
-    barrier = '__asm__ volatile("" : "+v"(b));'
-    body = "\n".join(f"    a{i} = {step.format(acc=f'a{i}')};" + (barrier if isa == "avx2" else "") for i in accs)
+    accs = range(_accumulators(isa))
+    # Accumulator i multiplies a[i % 4] by b[i / 4 % 2]: AVX2's vpmaddubsw does not read the
+    # accumulator, so with one operand pair the compiler computes one product for all of them.
+    # The operands pass through an empty asm per iteration, so no product leaves the loop.
+    body = "\n".join(f"    acc{i} = {step.format(acc=f'acc{i}', a=f'a{i % 4}', b=f'b{i // 4 % 2}')};" for i in accs)
+    operands = [f"a{j}" for j in range(4)] + ["b0", "b1"]
     return f"""
 #include <immintrin.h>
 #include <stdint.h>
 int64_t run(int64_t iterations, int seed) {{
-  {vec} a = {width}_set1_epi8((char)(seed + 1)), b = {width}_set1_epi8((char)(seed + 2));
+  {vec} {", ".join(f"{v} = {width}_set1_epi8((char)(seed + {j}))" for j, v in enumerate(operands))};
   const {vec} ones = {width}_set1_epi16(1);  /* the AVX2 step's int16 -> int32 pair sum */
-  {vec} {", ".join(f"a{i} = {zero}" for i in accs)};
+  {vec} {", ".join(f"acc{i} = {zero}" for i in accs)};
   for (int64_t it = 0; it < iterations; ++it) {{
 {body}
-    {barrier}
+    __asm__ volatile("" : {", ".join(f'"+v"({v})' for v in operands)});
   }}
   {vec} total = {zero};
-  {" ".join(f"total = {width}_add_epi32(total, a{i});" for i in accs)}
+  {" ".join(f"total = {width}_add_epi32(total, acc{i});" for i in accs)}
   int64_t out[sizeof(total) / 8];
   __builtin_memcpy(out, &total, sizeof(total));
   return out[0];
@@ -77,7 +82,7 @@ def peak_gops(isa: str, threads: int, seconds: float = 0.5, repeats: int = 3) ->
     best of ``repeats`` runs, since other work on the machine can only lower it."""
     with tempfile.TemporaryDirectory() as folder:
         lib = _library(isa, Path(folder))
-        ops_per_iteration = _ACCUMULATORS * _ISAS[isa][4] * 2
+        ops_per_iteration = _accumulators(isa) * _ISAS[isa][4] * 2
         lib.run(100_000, 0)  # warm up (clock ramp, page-in)
         t0 = time.perf_counter()
         lib.run(1_000_000, 0)
