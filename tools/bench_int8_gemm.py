@@ -5,8 +5,8 @@ M = 1, 4, 16, 64, 256, prints microseconds per call and GOP/s (2 M N K / time) o
 on each instruction set this CPU runs, the int16-activation kernel (kernels.cpu_ops, today's
 path up to 64 rows) and torch's fp32 GEMM on the already dequantized weight (a lower bound for
 today's dequantize + GEMM path above 64 rows), with the a8 figures also as a fraction of this
-machine's int8 peak for their instruction set (tools/int8_peak.py, on the same threads). All
-run interleaved, the median of --repeats, so a noisy host shifts them alike; run it with nice.
+machine's int8 peak for their instruction set (tools/int8_peak.py, on the same threads). Each
+runs --repeats calls in a row (the median counts); run it with nice, on a quiet machine.
 
     python tools/bench_int8_gemm.py [--format int4|int8] [--m 1 4 16 64 256] [--threads 2] [--repeats 15]
 """
@@ -35,16 +35,20 @@ SHAPES = {"1536x576": (1536, 576), "576x1536": (576, 1536)}
 
 
 def _median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median microseconds per call of each function, timed round-robin."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm up
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    """Median microseconds per call of each function, each timed in its own run of calls: taking
+    turns with 256-bit code, the AVX-512 kernel paid the core's AVX-512 power-up every call
+    (M = 1: 48 us interleaved, 17 us in a run)."""
+    result = {}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()  # warm up
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+            times.append(time.perf_counter() - t0)
+        result[name] = statistics.median(times) * 1e6
+    return result
 
 
 def _calls(x: torch.Tensor, a8: cpu_a8.A8Weight, isas: list[str], int16: Callable[[torch.Tensor], object],

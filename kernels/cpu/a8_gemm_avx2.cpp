@@ -20,6 +20,7 @@ constexpr int kRows = 4;
 constexpr bool kOffsetX = false;
 
 inline Vi load_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Vi add_i(Vi a, Vi b) { return _mm256_add_epi32(a, b); }
 inline Vi zero_i() { return _mm256_setzero_si256(); }
 inline Vi set1_i(int32_t v) { return _mm256_set1_epi32(v); }
 inline Vi low_nibbles(Vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
