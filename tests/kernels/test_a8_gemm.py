@@ -99,3 +99,19 @@ def test_unsupported_weights_and_shapes_raise():
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_a8.a8_linear(torch.randn(2, 32), weight)
     assert cpu_a8.a8_linear(torch.randn(0, 64), weight).shape == (0, 20)
+
+
+def test_dispatch_runs_a8_for_every_m_where_asked():
+    from kernels.dispatch import choose_backend, linear, prepare_linear
+
+    weight = _weight("int4", 40, 576, 32, seed=4)
+    backend = choose_backend("int4_cpu", "cpu", int8_activations=True)
+    assert backend.int8_activations
+    prepared = prepare_linear(weight, backend)
+    assert prepared.path == "a8_cpu"
+    for m in (1, 3, 70):
+        x = _x(m, 576, seed=m)
+        torch.testing.assert_close(linear(x, prepared), int8_activation_gemm_reference(x, weight), rtol=1e-5,
+                                   atol=1e-3)
+    assert prepare_linear(weight, choose_backend("int4_cpu", "cpu")).path == "int4_cpu"  # int16: the default
+    assert not choose_backend("reference", "cpu", int8_activations=True).int8_activations
