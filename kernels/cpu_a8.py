@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
 from quant.formats import QuantizedTensor, unpack_int4
 
 ISA_ENV = "EDGEINFER_CPU_ISA"
@@ -86,6 +85,8 @@ def prepare_a8(weight: QuantizedTensor) -> A8Weight:
 
 def isa_supported(isa: str) -> bool:
     """Whether this CPU runs the ``isa`` kernel (and the C++ ops are built)."""
+    from kernels import cpu_ops  # here: cpu_ops imports this module (decode_layer_weights)
+
     if isa not in ISAS:
         raise ValueError(f"{ISA_ENV} must be one of {ISAS}, got {isa!r}")
     return cpu_ops.available() and torch.ops.edgeinfer_cpu.a8_isa_supported(isa)

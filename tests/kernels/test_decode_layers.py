@@ -303,3 +303,34 @@ def test_an_observer_takes_the_per_op_forward(model: LlamaModel, per_op: LlamaMo
     shapes = {"qkv": (11, c.hidden_size), "keys": (11, c.num_kv_heads, c.head_dim), "o": (11, q_size),
               "gate_up": (11, c.hidden_size), "down": (11, inner)}
     assert seen == [(layer, name, shape) for layer in range(c.num_layers) for name, shape in shapes.items()]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: bool) -> None:
+    """With int8 activations (kernels.cpu_a8) the fused step runs the a8 kernels for int4 and int8
+    linears (g16, g32 with mins) and matches the per-op forward on the same kernels."""
+    weights = dict(loaded.weights)
+    if mixed:
+        for i in range(CONFIG.num_layers):
+            p = f"model.layers.{i}."
+            weights[p + "mlp.down_proj.weight"] = _gguf_like_int8(weights[p + "mlp.down_proj.weight"], 16, False, i)
+            weights[p + "self_attn.o_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.o_proj.weight"], 32, True,
+                                                                     i)
+    backend = choose_backend("int4_cpu", "cpu", int8_activations=True)
+    a8 = LlamaModel(loaded.config, weights, backend)
+    assert a8.fused_steps and len(a8.weights.fused_wsums) == 4 * CONFIG.num_layers
+    per_op = LlamaModel(loaded.config, weights, dataclasses.replace(backend, fused_step_max_tokens=0))
+    g = torch.Generator().manual_seed(6)
+    lengths, tables = (1, 6, 13), [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    fused_pool = _prefilled(a8, "fp32", prompts, tables)  # prompt chunks: fused too
+    reference_pool = _prefilled(per_op, "fp32", prompts, tables)
+    chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n, t)
+              for n, t in zip(lengths, tables, strict=True)]
+    token_ids, batch = build_batch(chunks, BLOCK, a8.device)
+    assert a8.runs_fused(len(token_ids), fused_pool)
+    fused = a8.forward(token_ids, batch, fused_pool)
+    reference = per_op.forward(token_ids, batch, reference_pool)
+    # SiLU's exp differs from torch's in the last bits; a value at an int8 rounding boundary of
+    # the next GEMM's input then moves one code step (1/127 of its row's largest value).
+    torch.testing.assert_close(fused, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
