@@ -3,8 +3,9 @@
 // Op torch.ops.edgeinfer_cpu.a8_gemm; kernels/cpu_ops.py prepares the weight tiles (a8_gemm.h)
 // and picks the instruction set once (a8_isa_supported: AVX512-VNNI, then AVX-VNNI, then AVX2);
 // kernels.reference.int8_activation_gemm_reference computes the same rounding in torch.
-// Here: each activation row is quantized symmetrically to int8 with one scale (absmax / 127,
-// round half to even) and its exact fp32 group sums (the weight mins' term), then the weight's
+// Here: each activation row is quantized symmetrically to int8 with a scale per 32 values (16
+// for int8 groups of 16; absmax / 127, round half to even) and its exact fp32 group sums (the
+// weight mins' term), then the weight's
 // column tiles are split over the threads and each tile runs through all M rows at once.
 // Unlike the int16 kernel (quantized_gemm.cpp), a block's dot product for 4 rows costs one
 // vpdpbusd per 4 weights and row instead of cvt + scale + FMA per row, so wide batches become
@@ -26,6 +27,7 @@ namespace {
 
 using edgeinfer_cpu::A8Problem;
 using edgeinfer_cpu::kA8Cols;
+using edgeinfer_cpu::kA8Unit;
 
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
@@ -40,18 +42,23 @@ bool isa_supported(const std::string& isa) {
   TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected avx512vnni, avxvnni or avx2)");
 }
 
-// Row r of x (K values) -> int8 codes, its scale and its group sums / scale.
-void quantize_row(const float* x, int64_t k, int64_t group, int8_t* codes, float* scale, float* group_sums) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float d = amax / 127.0f;
-  *scale = d;
-  for (int64_t i = 0; i < k; ++i) codes[i] = d > 0.0f ? static_cast<int8_t>(std::nearbyint(x[i] / d)) : 0;
+// One row of x (K values) -> int8 codes with a scale per unit of `unit` values (absmax / 127,
+// round half to even) and, where wanted, the exact group sums.
+void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t* codes, float* scale,
+                  float* group_sums) {
+  for (int64_t u = 0; u < k / unit; ++u) {
+    const float* xu = x + u * unit;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < unit; ++i) amax = std::max(amax, std::fabs(xu[i]));
+    const float d = amax / 127.0f;
+    scale[u] = d;
+    for (int64_t i = 0; i < unit; ++i) codes[u * unit + i] = d > 0.0f ? static_cast<int8_t>(std::nearbyint(xu[i] / d)) : 0;
+  }
   if (group_sums == nullptr) return;
   for (int64_t g = 0; g < k / group; ++g) {
     float total = 0.0f;
     for (int64_t i = 0; i < group; ++i) total += x[g * group + i];
-    group_sums[g] = d > 0.0f ? total / d : 0.0f;
+    group_sums[g] = total;
   }
 }
 
@@ -100,16 +107,19 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   TORCH_CHECK(!has_mins || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scales.numel()),
               "mins must be fp32 shaped like the scales");
   const bool offset_x = !int4 && isa != "avx2";  // the VNNI kernels take int8 x as x + 128 (uint8)
+  const int64_t unit = std::min(group, kA8Unit);
+  const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
   TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kInt && wsum.is_contiguous() &&
-                            wsum.numel() == scales.numel()), "int8 weights need wsum, int32 shaped like the scales");
+                            wsum.numel() == tiles * (k / unit) * kA8Cols),
+              "int8 weights need wsum, int32 (tiles, K / min(group, 32), 16)");
   if (m == 0 || n == 0) return;
   const int64_t groups = k / group;
   std::vector<int8_t> xq(m * k);
-  std::vector<float> x_scale(m);
+  std::vector<float> x_scale(m * (k / unit));
   std::vector<float> x_gsum(has_mins ? m * groups : 0);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      quantize_row(x + r * k, k, group, xq.data() + r * k, x_scale.data() + r,
+      quantize_row(x + r * k, k, unit, group, xq.data() + r * k, x_scale.data() + r * (k / unit),
                    has_mins ? x_gsum.data() + r * groups : nullptr);
       if (offset_x) {
         for (int64_t i = r * k; i < (r + 1) * k; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);  // + 128 as uint8
@@ -124,7 +134,6 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
                         : isa == "avxvnni"  ? a8_columns_avxvnni
                                             : a8_columns_avx2;
   // Tiles of 16 columns over the threads; several chunks per thread so uneven cores even out.
-  const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { kernel(p, t0, t1); });
 }
