@@ -1,9 +1,9 @@
 """int4 / int8 weight x int8 activation CPU GEMMs (kernels/cpu/a8_gemm*.cpp): weight tiles, the
 instruction-set choice and the call.
 
-Activations are quantized inside the op, symmetric with a scale per 16 values (absmax / 127; on
-the default model one scale per row cost 22% perplexity, one per 32 0.52%: its activations have
-outlier channels); the
+Activations are quantized inside the op, symmetric with a scale per 32 values (absmax / 127;
+16 for int8 groups of 16: llama.cpp's Q8_1 granularity; one scale per row cost 22% perplexity on
+the default model, whose activations have outlier channels); the
 integer dot products run on AVX512-VNNI (vpdpbusd), AVX-VNNI or AVX2 (vpmaddubsw) kernels,
 each compiled for its own instruction set, the best this CPU runs chosen once (``default_isa``;
 ``EDGEINFER_CPU_ISA`` names another for comparison and tests). A weight is re-laid out once
@@ -27,7 +27,7 @@ from quant.formats import QuantizedTensor, unpack_int4
 ISA_ENV = "EDGEINFER_CPU_ISA"
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # best first
 COLS = 16  # output columns per weight tile (a8_gemm.h kA8Cols)
-UNIT = 16  # activation values per scale (a8_gemm.h kA8Unit)
+UNIT = 32  # activation values per scale, at most (a8_gemm.h kA8Unit; int8 groups of 16: 16)
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class A8Weight:
     codes: torch.Tensor  # int4: uint8 (tiles, K // 32, 4, 64); int8: int8 (tiles, K // 4, 64)
     scales: torch.Tensor  # fp32 (tiles, groups, 16)
     mins: torch.Tensor | None  # fp32 (tiles, groups, 16); int4 always
-    wsum: torch.Tensor | None  # int8: int32 (tiles, K // 16, 16) = -128 * each 16 values' code sum
+    wsum: torch.Tensor | None  # int8: int32 (tiles, K // min(group, 32), 16) = -128 * the unit's code sum
     shape: tuple[int, int]  # (N, K)
     group_size: int
     int4: bool
@@ -81,7 +81,7 @@ def prepare_a8(weight: QuantizedTensor) -> A8Weight:
     mins = per_tile(weight.mins) if weight.mins is not None else None
     wsum = None
     if not int4:
-        unit = UNIT
+        unit = min(group, UNIT)
         sums = weight.qweight.view(n, k // unit, unit).sum(-1, dtype=torch.int32).float()
         wsum = (F.pad(sums, (0, 0, 0, pad)).view(tiles, COLS, k // unit).transpose(1, 2) * -128).to(torch.int32)
         wsum = wsum.contiguous()  # |sums| <= 32 * 128: exact in fp32
@@ -110,7 +110,7 @@ def default_isa() -> str:
 
 
 def a8_linear(x: torch.Tensor, weight: A8Weight, isa: str | None = None) -> torch.Tensor:
-    """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 16)."""
+    """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 32)."""
     n, k = weight.shape
     return torch.ops.edgeinfer_cpu.a8_gemm(x, weight.codes, weight.scales, weight.mins, weight.wsum, n, k,
                                            weight.group_size, weight.int4, isa or default_isa())

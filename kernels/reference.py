@@ -61,15 +61,15 @@ def int8_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tenso
 
 
 def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
-    """fp32 (M, N): what kernels.cpu_a8 computes for an int4 or int8 weight. Each unit of U = 16
-    values of a row of x becomes int8 codes round(x / d), d = absmax / 127 (round
+    """fp32 (M, N): what kernels.cpu_a8 computes for an int4 or int8 weight. Each unit of U =
+    min(group, 32) values of a row of x becomes int8 codes round(x / d), d = absmax / 127 (round
     half to even); each unit's integer dot with the weight codes is scaled by d and its group's
     weight scale, and a weight's min term uses the exact group sums of x."""
     if weight.format not in ("int4", "int8"):
         raise ValueError(f"int8_activation_gemm_reference needs an int4 or int8 weight, got {weight.format!r}")
     n, k = weight.shape
     group = weight.group_size
-    unit = 16
+    unit = min(group, 32)
     x2 = x.float().reshape(-1, k)
     xu = x2.view(-1, k // unit, unit)
     d = xu.abs().amax(dim=-1, keepdim=True) / 127

@@ -3,8 +3,8 @@
 // Op torch.ops.edgeinfer_cpu.a8_gemm; kernels/cpu_ops.py prepares the weight tiles (a8_gemm.h)
 // and picks the instruction set once (a8_isa_supported: AVX512-VNNI, then AVX-VNNI, then AVX2);
 // kernels.reference.int8_activation_gemm_reference computes the same rounding in torch.
-// Here: each activation row is quantized symmetrically to int8 with a scale per 16 values
-// (absmax / 127, round half to even) and its exact fp32 group sums (the
+// Here: each activation row is quantized symmetrically to int8 with a scale per 32 values (16
+// for int8 groups of 16; absmax / 127, round half to even) and its exact fp32 group sums (the
 // weight mins' term), then the weight's
 // column tiles are split over the threads and each tile runs through all M rows at once.
 // Unlike the int16 kernel (quantized_gemm.cpp), a block's dot product for 4 rows costs one
@@ -107,11 +107,11 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   TORCH_CHECK(!has_mins || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scales.numel()),
               "mins must be fp32 shaped like the scales");
   const bool offset_x = !int4 && isa != "avx2";  // the VNNI kernels take int8 x as x + 128 (uint8)
-  const int64_t unit = kA8Unit;
+  const int64_t unit = std::min(group, kA8Unit);
   const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
   TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kInt && wsum.is_contiguous() &&
                             wsum.numel() == tiles * (k / unit) * kA8Cols),
-              "int8 weights need wsum, int32 (tiles, K / 16, 16)");
+              "int8 weights need wsum, int32 (tiles, K / min(group, 32), 16)");
   if (m == 0 || n == 0) return;
   const int64_t groups = k / group;
   std::vector<int8_t> xq(m * k);

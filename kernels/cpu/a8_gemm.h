@@ -15,21 +15,20 @@
 namespace edgeinfer_cpu {
 
 constexpr int64_t kA8Cols = 16;  // output columns per prepared weight tile (one zmm of int32)
-// Activation values per scale. On SmolLM2-135M (perplexity 46.58 with int16 activations), one
-// scale per row (per token) gave 56.98 (+22%: its activations have outlier channels, and a
-// row-wide scale flattens every other value), one per 32 values 46.83 (+0.52%).
-constexpr int64_t kA8Unit = 16;
+// Activation values per scale: min(group, kA8Unit). One scale per row (per token) cost 22% in
+// perplexity on SmolLM2-135M (56.98 against 46.58 with int16 activations): its activations have
+// outlier channels that a row-wide scale lets flatten every other value.
+constexpr int64_t kA8Unit = 32;
 
-// y (M, N) fp32 = x (M, K) @ W.T, x quantized to int8 per unit u of U = kA8Unit values
-// (x ~= x_scale[r, u] * code):
+// y (M, N) fp32 = x (M, K) @ W.T, x quantized to int8 per unit u of U = min(group, kA8Unit)
+// values (x ~= x_scale[r, u] * code):
 //   y[r, n] = sum_u scale[n, g(u)] * x_scale[r, u] * dot_u(code_r, q_n) + sum_g min[n, g] * x_gsum[r, g]
 // with x_gsum the exact fp32 group sums of x.
 // Weight tiles of kA8Cols columns (N padded to a multiple), per tile in K order:
 //   int4: per 32-block, 4 vectors of 64 bytes; byte 4c + j of vector v holds column c's code
 //         for k = 4v + j in its low nibble and k = 16 + 4v + j in its high nibble (unsigned 0..15).
 //   int8: per 4 values of K, 64 bytes; byte 4c + j holds column c's signed code for k = 4q + j.
-// scales / mins: (tiles, groups, kA8Cols); wsum: (tiles, K / U, kA8Cols) = -128 * the unit's code sum
-// (int8).
+// scales / mins: (tiles, groups, kA8Cols); wsum: (tiles, K / U, kA8Cols) = -128 * the unit's code sum (int8).
 struct A8Problem {
   const uint8_t* codes;
   const float* scales;

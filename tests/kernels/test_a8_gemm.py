@@ -58,7 +58,7 @@ def test_a8_gemm_matches_reference(isa, fmt, n, k, group, m):
     reference = int8_activation_gemm_reference(x, weight)
     # Same int8 rounding of x, exact integer dots: equal up to fp32 rounding of the unit sums.
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
-    # Against the exact product: int8 activations (a scale per 16) cost ~1%, on these Gaussian rows.
+    # Against the exact product: int8 activations (a scale per 32) cost ~1%, on these Gaussian rows.
     exact = (int4_gemm_reference if fmt == "int4" else int8_gemm_reference)(x, weight)
     assert float((out - exact).norm() / exact.norm()) < 0.05
 
