@@ -332,5 +332,7 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
     fused = a8.forward(token_ids, batch, fused_pool)
     reference = per_op.forward(token_ids, batch, reference_pool)
     # SiLU's exp differs from torch's in the last bits; a value at an int8 rounding boundary of
-    # the next GEMM's input then moves one code step (1/127 of its row's largest value).
-    torch.testing.assert_close(fused, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item())
+    # the next GEMM's input then moves a whole code step (1/127 of its block's largest value), so
+    # single logits may differ by a few percent: the bound is on the whole. A wiring mistake (a
+    # linear's weights, wsum or group) moves every logit by its own size.
+    assert float((fused - reference).norm() / reference.norm()) < 0.03
