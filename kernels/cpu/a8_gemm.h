@@ -16,8 +16,8 @@ namespace edgeinfer_cpu {
 
 constexpr int64_t kA8Cols = 16;  // output columns per prepared weight tile (one zmm of int32)
 // Activation values per scale: min(group, kA8Unit). On SmolLM2-135M (perplexity 46.58 with
-// int16 activations) one scale per row (per token) gave 56.98 (+22%: its activations have outlier
-// channels, and a row-wide scale flattens every other value), one per 32 46.83 (+0.52%), one
+// int16 activations) one scale per row (per token) gave 56.98 (+22%; likely a few large
+// channels, whose row-wide scale flattens every other value), one per 32 46.83 (+0.52%), one
 // per 16 47.00 (+0.90%: finer, yet no better; at this level rounding noise decides).
 constexpr int64_t kA8Unit = 32;
 
