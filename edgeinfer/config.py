@@ -14,6 +14,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
+CPU_ACTIVATIONS = ("int16", "int8")  # how the CPU kernels round activations (kernels.dispatch)
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
@@ -202,12 +203,18 @@ class RuntimeConfig:
     # exact, the log-probabilities of other tokens are not (default model: perplexity 47.21
     # against 46.58), for a faster decode.
     exact_head: bool = False
+    # int8: the int8-activation (VNNI) GEMMs on the CPU's quantized linears, rows rounded to int8
+    # with one scale each (kernels.cpu_a8; fast from 2 rows on); int16: the int16-activation
+    # kernels, a scale per 4 values, the accuracy reference.
+    cpu_activations: str = "int16"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear_path must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu_activations must be one of {CPU_ACTIVATIONS}, got {self.cpu_activations!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be 'auto' or one of {KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("k_dtype", "v_dtype"):

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels.cpu_a8 import A8Weight
 from quant.formats import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -164,22 +165,25 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   context_lens: torch.Tensor, num_heads: int, scale: float, eps: float,
                   k_scales: Sequence[torch.Tensor] = (), v_scales: Sequence[torch.Tensor] = (),
                   k_zeros: Sequence[torch.Tensor] = (), v_zeros: Sequence[torch.Tensor] = (),
-                  rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None) -> None:
+                  rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None,
+                  a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "") -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
     keys less ``key_centres`` (layers, Hkv, D) first.
     ``weights``: 14 per layer (``decode_layer_weights``): the input norm, (codes, scales, mins)
     of QKV and of the output projection, the post-attention norm, then (codes, scales, mins) of
-    gate/up and of down, each linear int4 or int8 with the group size its scales imply;
+    gate/up and of down, each linear int4 or int8 with the group size its scales imply, or, with
+    ``a8_isa`` (kernels.cpu_a8.ISAS), every linear a cpu_a8 weight run with int8 activations on
+    that kernel, its wsum in ``a8_wsums`` (``decode_layer_wsums``);
     ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
-                                          key_centres)
+                                          key_centres, list(a8_wsums), a8_isa)
 
 
-FusedLinear = CpuInt4Weight | QuantizedTensor  # a prepare_int4 or a prepare_int8 weight
+FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prepare_int8 or cpu_a8 weight
 
 
 def decode_layer_weights(input_norm: torch.Tensor, qkv: FusedLinear, o: FusedLinear, post_norm: torch.Tensor,
@@ -188,10 +192,18 @@ def decode_layer_weights(input_norm: torch.Tensor, qkv: FusedLinear, o: FusedLin
     def linear(w: FusedLinear) -> list[torch.Tensor]:
         if isinstance(w, CpuInt4Weight):
             return [w.packed, w.scales, w.mins]
+        if isinstance(w, A8Weight):
+            return [w.codes, w.scales, w.scales.new_empty(0) if w.mins is None else w.mins]
         return [w.qweight, w.scales, w.scales.new_empty(0) if w.mins is None else w.mins]
 
     return [input_norm.float().contiguous(), *linear(qkv), *linear(o), post_norm.float().contiguous(),
             *linear(gate_up), *linear(down)]
+
+
+def decode_layer_wsums(linears: Sequence[A8Weight]) -> list[torch.Tensor]:
+    """decode_layers' ``a8_wsums`` for cpu_a8 linears in its order (qkv, o, gate_up, down per
+    layer): each int8 weight's -128 * code sums, an empty tensor for int4."""
+    return [torch.empty(0, dtype=torch.int32) if w.wsum is None else w.wsum for w in linears]
 
 
 @functools.cache

@@ -21,6 +21,12 @@ Linear layers: weight -> kernel-ready form (once, at load, ``prepare_linear``) -
   rounding) up to ``CPU_KERNEL_MAX_M`` rows, dequantize into the scratch buffer + fp32 GEMM above; the
   weight is used as loaded (a Q8_0 tensor is not copied). Without the ops int8 (and nf4) weights
   run as bf16 copies (``bf16_cpu``).
+- ``a8_cpu`` (a Backend with ``int8_activations``, on the int4_cpu path): int4 and int8 weights
+  through the int8-activation GEMMs (kernels.cpu_a8: rows rounded to int8 with one scale,
+  vpdpbusd on AVX512-VNNI / AVX-VNNI, vpmaddubsw on AVX2) at every M, prefill chunks included:
+  SmolLM2-135M's MLP shapes at M = 16-64 run 3-10x the int16 kernel and 2-4x dequantize + fp32
+  GEMM (tools/bench_int8_gemm.py), M = 1 ~3x the int16 kernel. The fused decode step
+  (decode_layers) does not take these weights yet, so such a model runs the per-op forward.
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
 - ``reference``: dequantize to fp32 and matmul in fp32; exact, the oracle for the tests.
 
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_ops
+from kernels import cpu_a8, cpu_ops
 from quant.formats import QuantizedTensor, unpack_int4
 
 # Crossovers against dequantize + fp32 GEMM. torch's int4 kernel (and a bf16 GEMM) lose from
@@ -71,6 +77,9 @@ class Backend:
     # Steps of up to this many tokens run all layers as one C++ call (kernels.cpu_ops.decode_layers)
     # where the model's weights allow it; 0: never.
     fused_step_max_tokens: int
+    # int4_cpu: quantized linears round activations to int8 per row (kernels.cpu_a8) instead of
+    # int16 per 4 values; needs the C++ ops.
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.linear_path not in LINEAR_PATHS:
@@ -80,18 +89,25 @@ class Backend:
         if self.fused_step_max_tokens < 0 or (self.fused_step_max_tokens and not self.cpu_ops):
             raise ValueError(f"fused_step_max_tokens must be 0, or positive with the C++ CPU ops, got "
                              f"{self.fused_step_max_tokens} (cpu_ops={self.cpu_ops})")
+        if self.int8_activations and not (self.cpu_ops and self.linear_path == "int4_cpu"):
+            raise ValueError(f"int8 activations run on the int4_cpu linear path with the C++ CPU ops, not "
+                             f"{self.linear_path} (cpu_ops={self.cpu_ops})")
 
 
-def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu") -> Backend:
+def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu",
+                   int8_activations: bool = False) -> Backend:
     """The backend for a requested linear path (RuntimeConfig.linear_path; "auto": Triton on CUDA,
     int4_cpu elsewhere) on ``device``, with the C++ ops wherever this machine runs them (on every
-    linear path: the reference path's norms and attention are theirs too)."""
+    linear path: the reference path's norms and attention are theirs too). ``int8_activations``
+    (RuntimeConfig.cpu_activations == "int8") applies where the int4_cpu path has the C++ ops and
+    is ignored elsewhere."""
     device = torch.device(device)
     if linear_path == "auto":
         linear_path = "triton" if device.type == "cuda" else "int4_cpu"
     native = device.type == "cpu" and cpu_ops.available()
     return Backend(device, linear_path, cpu_ops=native, triton=device.type == "cuda",
-                   fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0)
+                   fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0,
+                   int8_activations=int8_activations and native and linear_path == "int4_cpu")
 
 
 @dataclass(frozen=True)
@@ -104,7 +120,8 @@ class PreparedLinear:
     dense: torch.Tensor | None = None  # fp32 (N, K) for plain weights / the reference path
     packed: torch.Tensor | None = None  # int4_cpu: torch's packed layout
     scales_and_zeros: torch.Tensor | None = None  # int4_cpu: bf16 (K // group, N, 2)
-    kernel: object | None = None  # triton: the kernel module's prepared weight; int4_cpu: CpuInt4Weight
+    # triton: the kernel module's prepared weight; int4_cpu: CpuInt4Weight; a8_cpu: cpu_a8.A8Weight
+    kernel: object | None = None
     group_size: int = 0  # int4_cpu, int8_cpu
     block_n: int | None = None  # int4_cpu: row-block width of the packed layout
 
@@ -112,7 +129,7 @@ class PreparedLinear:
     def nbytes(self) -> int:
         tensors = [self.dense, self.packed, self.scales_and_zeros]
         total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        if isinstance(self.kernel, cpu_ops.CpuInt4Weight):
+        if isinstance(self.kernel, (cpu_ops.CpuInt4Weight, cpu_a8.A8Weight)):
             total += self.kernel.nbytes
         if self.source is not None and self.dense is None:
             total += self.source.nbytes
@@ -136,6 +153,9 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, backend: Backend) -> 
         dense = weight.dequantize(torch.float32).to(device)
         return PreparedLinear("reference", weight.shape, None, dense=dense)
     if path == "int4_cpu":
+        if backend.int8_activations and cpu_a8.supports(weight):
+            return PreparedLinear("a8_cpu", weight.shape, None, kernel=cpu_a8.prepare_a8(weight),
+                                  group_size=weight.group_size)
         if cpu_ops.supports_int8(weight) and backend.cpu_ops:
             return PreparedLinear("int8_cpu", weight.shape, cpu_ops.prepare_int8(weight), group_size=weight.group_size)
         if cpu_ops.supports_int4(weight) and backend.cpu_ops:
@@ -249,6 +269,8 @@ def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None
     path = weight.path
     if path in ("dense", "reference"):
         y = x2.float() @ weight.dense.t()
+    elif path == "a8_cpu":
+        y = cpu_a8.a8_linear(x2, weight.kernel)
     elif path == "int4_cpu" and weight.kernel is not None:
         if m <= CPU_KERNEL_MAX_M:
             y = cpu_ops.int4_linear(x2, weight.kernel)

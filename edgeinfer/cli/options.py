@@ -7,7 +7,7 @@ import logging
 import re
 from pathlib import Path
 
-from edgeinfer.config import DEFAULT_CONTEXT, KV_DTYPES, LINEAR_PATHS, RuntimeConfig
+from edgeinfer.config import CPU_ACTIVATIONS, DEFAULT_CONTEXT, KV_DTYPES, LINEAR_PATHS, RuntimeConfig
 
 
 def model_path(arg: str | None) -> Path:
@@ -102,6 +102,9 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
                    help="where the model runs (auto: cuda when torch sees a GPU)")
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS,
                    help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
+    p.add_argument("--cpu-activations", default=RuntimeConfig.cpu_activations, choices=CPU_ACTIVATIONS,
+                   help="how the CPU int4/int8 kernels round activations: int8 per row (VNNI GEMMs, fast for many "
+                        "streams and prompts) or int16 per 4 values (the accuracy reference) (default: %(default)s)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
                    help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")
@@ -128,6 +131,7 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     kv_bytes, kv_fraction = getattr(args, "kv_memory", (None, None))
     pool = {"max_model_len": args.ctx, "parallel": args.parallel} if hasattr(args, "ctx") else {}
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
-                         k_dtype=args.k_dtype, v_dtype=args.v_dtype, num_threads=args.threads,
+                         cpu_activations=args.cpu_activations, k_dtype=args.k_dtype, v_dtype=args.v_dtype,
+                         num_threads=args.threads,
                          cuda_graphs=args.cuda_graphs, exact_head=args.exact_head,
                          kv_memory_bytes=kv_bytes, kv_memory_fraction=kv_fraction, **pool)

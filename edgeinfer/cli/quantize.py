@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from edgeinfer.cli.options import HelpFormatter, add_log_level, setup_logging
-from edgeinfer.config import KV_DTYPES, LINEAR_PATHS
+from edgeinfer.config import CPU_ACTIVATIONS, KV_DTYPES, LINEAR_PATHS, RuntimeConfig
 from edgeinfer.models.store import resolve_model
 from quant.corpus import EVAL_TEXT
 from quant.formats import GROUP_SIZES
@@ -135,6 +135,9 @@ def _ppl_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32", help="K and V cache format (default fp32)")
     p.add_argument("--linear-path", choices=LINEAR_PATHS, default="reference",
                    help="linear kernels (default reference: exact fp32, the figure measures the weights alone)")
+    p.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations,
+                   help="with --linear-path int4_cpu: int8 (per row, VNNI GEMMs) or int16 activations "
+                        "(default %(default)s)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_log_level(p)
     return p
@@ -144,7 +147,6 @@ def eval_ppl_main(argv: list[str]) -> int:
     """Perplexity on the engine (quant.perplexity), the model loaded as ``edgeinfer serve`` loads it."""
     import anyio
 
-    from edgeinfer.config import RuntimeConfig
     from edgeinfer.engine.api import Engine
     from quant.perplexity import PerplexityResult, engine_config, perplexity, text_tokens
 
@@ -155,7 +157,8 @@ def eval_ppl_main(argv: list[str]) -> int:
     async def run() -> PerplexityResult:
         # The checkpoint's own head: the figure measures the format, and the same text on the same
         # file gives the same number on every path.
-        runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype, exact_head=True)
+        runtime = RuntimeConfig(linear_path=args.linear_path, kv_dtype=args.kv_dtype, exact_head=True,
+                                cpu_activations=args.cpu_activations)
         print(f"edgeinfer eval-ppl: loading {args.model} ...", file=sys.stderr, flush=True)
         async with Engine(engine_config(str(resolve_model(args.model)), args.window, runtime)) as engine:
             token_ids = text_tokens(engine.tokenizer, text, args.tokens)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.weights import PreparedLayer, Weight, prepare_weights, row_reader, spec_features, weight_rows
-from kernels import cpu_ops
+from kernels import cpu_a8, cpu_ops
 from kernels.dispatch import Backend, choose_backend, linear, scratch_numel
 from kernels.kv_pool import KVPool
 from kernels.kv_quant import PLAIN_DTYPES, kv_rotation
@@ -317,6 +317,7 @@ class LlamaModel(LlamaLayers):
             h, self.weights.fused, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
             tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
+            a8_wsums=self.weights.fused_wsums, a8_isa=cpu_a8.default_isa() if self.weights.fused_wsums else "",
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))
 

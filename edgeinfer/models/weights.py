@@ -24,13 +24,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from edgeinfer.config import ArchSpec, ModelConfig
 from edgeinfer.models.host_memory import trim_heap
 from kernels import cpu_ops
+from kernels.cpu_a8 import A8Weight
 from kernels.dispatch import Backend, PreparedLinear, prepare_linear
 from quant.formats import QuantizedTensor, as_int8, concat_rows, quantize_int4
 from quant.gguf_import import FileRows, LazyWeights, RowReader
@@ -76,6 +77,8 @@ class PreparedWeights:
     layers: tuple[PreparedLayer, ...]
     norm: torch.Tensor
     fused: list[torch.Tensor] | None  # decode_layers' weights, 14 per layer; None: no fused step
+    # decode_layers' a8_wsums where every fused linear is a kernels.cpu_a8 weight (int8 activations)
+    fused_wsums: list[torch.Tensor] = field(default_factory=list)
 
     def linears(self) -> list[PreparedLinear]:
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -125,7 +128,8 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
         fused = _fused_step_weights(layers, backend)
     elif backend.fused_step_max_tokens:
         log.info("%s: steps run layer by layer (the fused C++ step lacks %s)", config.architecture, ", ".join(lacking))
-    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused)
+    fused_weights, fused_wsums = fused if fused is not None else (None, [])
+    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused_weights, fused_wsums)
 
 
 def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec) -> PreparedLayer:
@@ -167,20 +171,25 @@ def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: Row
     return picked.dequantize(torch.float32)
 
 
-def _fused_step_weights(layers: list[PreparedLayer], backend: Backend) -> list[torch.Tensor] | None:
-    """decode_layers' weight list when the backend runs fused steps and every linear runs the
-    AVX2 int4 or int8 kernel (each with its own group size: a Q4_K_M GGUF mixes int4 g32 and int8
-    g16), else None; a model that could have fused steps but cannot use them says so at load."""
+def _fused_step_weights(layers: list[PreparedLayer],
+                        backend: Backend) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """decode_layers' weight list and a8_wsums when the backend runs fused steps and every linear
+    runs the AVX2 int4 or int8 kernel (each with its own group size: a Q4_K_M GGUF mixes int4 g32
+    and int8 g16), or every one the int8-activation kernels (then the wsums; else none), else
+    None; a model that could have fused steps but cannot use them says so at load."""
     if not backend.fused_step_max_tokens:
         return None
     linears = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    kernels = [w.kernel if w.path == "int4_cpu" else w.source if w.path == "int8_cpu" else None for w in linears]
-    if not all(isinstance(k, (cpu_ops.CpuInt4Weight, QuantizedTensor)) for k in kernels):
+    kernels = [w.kernel if w.path in ("int4_cpu", "a8_cpu") else w.source if w.path == "int8_cpu" else None
+               for w in linears]
+    a8 = all(isinstance(k, A8Weight) for k in kernels)
+    if not a8 and not all(isinstance(k, (cpu_ops.CpuInt4Weight, QuantizedTensor)) for k in kernels):
         log.info("the fused C++ step runs int4/int8 linears; this model's run as %s, so steps take the per-op "
                  "forward", sorted({w.path for w in linears}))
         return None
-    return [t for i, layer in enumerate(layers) for t in cpu_ops.decode_layer_weights(
+    weights = [t for i, layer in enumerate(layers) for t in cpu_ops.decode_layer_weights(
         layer.input_norm, kernels[4 * i], kernels[4 * i + 1], layer.post_norm, kernels[4 * i + 2], kernels[4 * i + 3])]
+    return weights, cpu_ops.decode_layer_wsums(kernels) if a8 else []
 
 
 def _fuse(weights: list[Weight], backend: Backend) -> Weight:

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "ops.h"
@@ -177,7 +178,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    at::TensorList v_caches, const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
                    const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
                    at::TensorList k_scales, at::TensorList v_scales, at::TensorList k_zeros, at::TensorList v_zeros,
-                   const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres) {
+                   const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
+                   at::TensorList a8_wsums, const std::string& a8_isa) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -237,17 +239,27 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
-  const int64_t inter = weights[8].size(0) / 2;
+  // a8: the linears are kernels.cpu_a8 tiles (codes, scales, mins or empty; wsum in a8_wsums)
+  // run with int8 activations on the a8_isa kernel; the intermediate size is then down's K.
+  const bool a8 = !a8_isa.empty();
+  const at::Tensor& down_codes = weights[11];
+  const int64_t inter = !a8 ? weights[8].size(0) / 2
+                        : down_codes.size(1) * (down_codes.scalar_type() == at::kByte ? 32 : 4);
+  TORCH_CHECK(!a8 || static_cast<int64_t>(a8_wsums.size()) == 4 * layers,
+              "a8 linears need one wsum tensor (empty for int4) per linear");
   std::vector<int64_t> group(4 * layers);  // per layer: qkv, o, gate_up, down
   for (int64_t l = 0; l < layers; ++l) {
     const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
     TORCH_CHECK(w[0].numel() == hidden && w[7].numel() == hidden && w[0].scalar_type() == at::kFloat &&
                     w[7].scalar_type() == at::kFloat && w[0].is_contiguous() && w[7].is_contiguous(),
                 "norm weights must be contiguous fp32 (hidden,)");
-    group[4 * l] = linear_group(w, 1, qkv_size, hidden, "qkv");
-    group[4 * l + 1] = linear_group(w, 4, hidden, q_size, "o");
-    group[4 * l + 2] = linear_group(w, 8, 2 * inter, hidden, "gate_up");
-    group[4 * l + 3] = linear_group(w, 11, hidden, inter, "down");
+    const auto check = a8 ? [](const at::TensorList& v, int64_t at, int64_t n, int64_t k, const char* name) {
+      return edgeinfer_cpu::a8_group(v[at], v[at + 1], n, k, name);
+    } : linear_group;
+    group[4 * l] = check(w, 1, qkv_size, hidden, "qkv");
+    group[4 * l + 1] = check(w, 4, hidden, q_size, "o");
+    group[4 * l + 2] = check(w, 8, 2 * inter, hidden, "gate_up");
+    group[4 * l + 3] = check(w, 11, hidden, inter, "down");
   }
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
@@ -270,6 +282,15 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     TORCH_CHECK(len[t] > 0 && len[t] <= tables.size(1) * k0.size(1), "context_lens[", t, "] exceeds its block table");
   }
 
+  // Linear j of layer l (qkv, o, gate_up, down) at w[at] (codes, scales, mins): y (m, n) = x @ W.T.
+  const auto linear = [&](const at::TensorList& w, int64_t l, int64_t j, int64_t at, const float* in, int64_t n,
+                          int64_t k, float* out) {
+    if (a8) {
+      edgeinfer_cpu::a8_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], a8_wsums[4 * l + j], n, k, a8_isa, out);
+    } else {
+      edgeinfer_cpu::quantized_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], group[4 * l + j], out);
+    }
+  };
   std::vector<float> x(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), y(m * hidden),
       gate_up(m * 2 * inter), act(m * inter);
   float* hp = h.data_ptr<float>();
@@ -278,7 +299,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     at::Tensor k_cache = k_caches[l];
     at::Tensor v_cache = v_caches[l];
     edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    edgeinfer_cpu::quantized_gemm_rows(x.data(), m, w[1], w[2], w[3], group[4 * l], qkv.data());
+    linear(w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
     // Tokens (and below, SiLU rows) in parallel; with RoPE vectorized, a 16-sequence step spends
     // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
     at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
@@ -322,14 +343,14 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
       });
     }
-    edgeinfer_cpu::quantized_gemm_rows(attn.data(), m, w[4], w[5], w[6], group[4 * l + 1], y.data());
+    linear(w, l, 1, 4, attn.data(), hidden, q_size, y.data());
     add_into(hp, y.data(), m * hidden);
     edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    edgeinfer_cpu::quantized_gemm_rows(x.data(), m, w[8], w[9], w[10], group[4 * l + 2], gate_up.data());
+    linear(w, l, 2, 8, x.data(), 2 * inter, hidden, gate_up.data());
     at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
       silu_mul(gate_up.data() + r0 * 2 * inter, r1 - r0, inter, act.data() + r0 * inter);
     });
-    edgeinfer_cpu::quantized_gemm_rows(act.data(), m, w[11], w[12], w[13], group[4 * l + 3], y.data());
+    linear(w, l, 3, 11, act.data(), hidden, inter, y.data());
     add_into(hp, y.data(), m * hidden);
   }
 }
@@ -340,7 +361,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] weights, Tensor cos, Tensor signed_sin, "
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
-        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres) -> ()");
+        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

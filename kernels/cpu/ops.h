@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 
 namespace edgeinfer_cpu {
 
@@ -12,6 +13,15 @@ namespace edgeinfer_cpu {
 // W int4 (uint8 codes, mins) or int8 (int8 codes; mins undefined or empty: none; group 16 too).
 void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t group_size, float* y);
+
+// a8_gemm.cpp: y (M, N) = x (M, K) @ W.T for a kernels.cpu_a8 prepared weight (codes, fp32 scales,
+// mins or an empty tensor, int32 wsum or an empty tensor for int4), x rounded to int8 per row,
+// on the `isa` kernel (avx512vnni, avxvnni, avx2); checks the weight.
+void a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                  const at::Tensor& wsum, int64_t n, int64_t k, const std::string& isa, float* y);
+
+// a8_gemm.cpp: the group size of a prepared a8 weight of N x K, TORCH_CHECKed.
+int64_t a8_group(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t k, const char* name);
 
 // quantized_gemm.cpp: TORCH_CHECKs an int4 weight (uint8 (N, K / 2), fp16/fp32 scales and mins,
 // a group a multiple of 32 dividing K).

@@ -317,3 +317,36 @@ def test_rope_tables_stop_at_the_planned_context() -> None:
     model._cover_positions(650)
     assert model._cos.shape[0] == 300
     assert LlamaModel(config, loaded.weights).max_positions == 700  # no plan: the model's context
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: bool) -> None:
+    """With int8 activations (kernels.cpu_a8) the fused step runs the a8 kernels for int4 and int8
+    linears (g16, g32 with mins) and matches the per-op forward on the same kernels."""
+    weights = dict(loaded.weights)
+    if mixed:
+        for i in range(CONFIG.num_layers):
+            p = f"model.layers.{i}."
+            weights[p + "mlp.down_proj.weight"] = _gguf_like_int8(weights[p + "mlp.down_proj.weight"], 16, False, i)
+            weights[p + "self_attn.o_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.o_proj.weight"], 32, True,
+                                                                     i)
+    backend = choose_backend("int4_cpu", "cpu", int8_activations=True)
+    a8 = LlamaModel(loaded.config, weights, backend)
+    assert a8.fused_steps and len(a8.weights.fused_wsums) == 4 * CONFIG.num_layers
+    per_op = LlamaModel(loaded.config, weights, dataclasses.replace(backend, fused_step_max_tokens=0))
+    g = torch.Generator().manual_seed(6)
+    lengths, tables = (1, 6, 13), [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    fused_pool = _prefilled(a8, "fp32", prompts, tables)  # prompt chunks: fused too
+    reference_pool = _prefilled(per_op, "fp32", prompts, tables)
+    chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n, t)
+              for n, t in zip(lengths, tables, strict=True)]
+    token_ids, batch = build_batch(chunks, BLOCK, a8.device)
+    assert a8.runs_fused(len(token_ids), fused_pool)
+    fused = a8.forward(token_ids, batch, fused_pool)
+    reference = per_op.forward(token_ids, batch, reference_pool)
+    # SiLU's exp differs from torch's in the last bits; a value at an int8 rounding boundary of
+    # the next GEMM's input then moves a whole code step (1/127 of its block's largest value), so
+    # single logits may differ by a few percent: the bound is on the whole. A wiring mistake (a
+    # linear's weights, wsum or group) moves every logit by its own size.
+    assert float((fused - reference).norm() / reference.norm()) < 0.03

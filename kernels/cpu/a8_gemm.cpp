@@ -1,0 +1,147 @@
+// int4 / int8 weight x int8 activation GEMMs: the op around the per-ISA kernels.
+//
+// Op torch.ops.edgeinfer_cpu.a8_gemm; kernels/cpu_ops.py prepares the weight tiles (a8_gemm.h)
+// and picks the instruction set once (a8_isa_supported: AVX512-VNNI, then AVX-VNNI, then AVX2);
+// kernels.reference.int8_activation_gemm_reference computes the same rounding in torch.
+// Here: each activation row is quantized symmetrically to int8 with a scale per 32 values (16
+// for int8 groups of 16; absmax / 127, round half to even) and its exact fp32 group sums (the
+// weight mins' term), then the weight's
+// column tiles are split over the threads and each tile runs through all M rows at once.
+// Unlike the int16 kernel (quantized_gemm.cpp), a block's dot product for 4 rows costs one
+// vpdpbusd per 4 weights and row instead of cvt + scale + FMA per row, so wide batches become
+// compute-cheap; the int16 kernel stays the accuracy reference.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "a8_gemm.h"
+#include "ops.h"
+
+namespace {
+
+using edgeinfer_cpu::A8Problem;
+using edgeinfer_cpu::kA8Cols;
+using edgeinfer_cpu::kA8Unit;
+
+using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
+
+bool isa_supported(const std::string& isa) {
+  __builtin_cpu_init();
+  if (isa == "avx512vnni") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }
+  if (isa == "avxvnni") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected avx512vnni, avxvnni or avx2)");
+}
+
+// One row of x (K values) -> int8 codes with a scale per unit of `unit` values (absmax / 127,
+// round half to even) and, where wanted, the exact group sums.
+void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t* codes, float* scale,
+                  float* group_sums) {
+  for (int64_t u = 0; u < k / unit; ++u) {
+    const float* xu = x + u * unit;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < unit; ++i) amax = std::max(amax, std::fabs(xu[i]));
+    const float d = amax / 127.0f;
+    scale[u] = d;
+    for (int64_t i = 0; i < unit; ++i) codes[u * unit + i] = d > 0.0f ? static_cast<int8_t>(std::nearbyint(xu[i] / d)) : 0;
+  }
+  if (group_sums == nullptr) return;
+  for (int64_t g = 0; g < k / group; ++g) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < group; ++i) total += x[g * group + i];
+    group_sums[g] = total;
+  }
+}
+
+// The op: checks, then a8_gemm_rows.
+at::Tensor a8_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& mins_in, const c10::optional<at::Tensor>& wsum_in, int64_t n,
+                   int64_t k, int64_t group, bool int4, const std::string& isa) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
+  const at::Tensor mins = mins_in.has_value() ? *mins_in : at::Tensor();
+  const at::Tensor wsum = wsum_in.has_value() ? *wsum_in : at::Tensor();
+  TORCH_CHECK(edgeinfer_cpu::a8_group(codes, scales, n, k, "w") == group && (codes.scalar_type() == at::kByte) == int4,
+              "the weight's tiles do not match group ", group, int4 ? " int4" : " int8");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  edgeinfer_cpu::a8_gemm_rows(x.data_ptr<float>(), x.size(0), codes, scales, mins, wsum, n, k, isa, y.data_ptr<float>());
+  return y;
+}
+
+bool a8_isa_supported(const std::string& isa) { return isa_supported(isa); }
+
+}  // namespace
+
+int64_t edgeinfer_cpu::a8_group(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t k,
+                                const char* name) {
+  const bool int4 = codes.scalar_type() == at::kByte;
+  const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
+  TORCH_CHECK((int4 || codes.scalar_type() == at::kChar) && codes.is_contiguous() && k % 32 == 0 &&
+                  codes.numel() == tiles * kA8Cols * (int4 ? k / 2 : k),
+              name, " must be prepared int4 (uint8) or int8 tiles of N=", n, " K=", k, " (K a multiple of 32)");
+  const int64_t groups = scales.numel() / (tiles * kA8Cols);
+  const int64_t group = groups > 0 ? k / groups : 0;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && group > 0 && groups * group == k &&
+                  scales.numel() == tiles * groups * kA8Cols && (int4 ? group % 32 == 0 : group % 16 == 0),
+              name, " scales must be fp32 (tiles, K / group, 16), group a multiple of 32 (int4) or 16 (int8)");
+  return group;
+}
+
+void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
+                                 const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k,
+                                 const std::string& isa, float* y) {
+  TORCH_CHECK(isa_supported(isa), "this CPU cannot run the ", isa, " kernel");
+  const int64_t group = a8_group(codes, scales, n, k, "w");
+  const bool int4 = codes.scalar_type() == at::kByte;
+  const bool has_mins = mins.defined() && mins.numel() > 0;
+  TORCH_CHECK(!int4 || has_mins, "int4 weights need mins");
+  TORCH_CHECK(!has_mins || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scales.numel()),
+              "mins must be fp32 shaped like the scales");
+  const bool offset_x = !int4 && isa != "avx2";  // the VNNI kernels take int8 x as x + 128 (uint8)
+  const int64_t unit = std::min(group, kA8Unit);
+  const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
+  TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kInt && wsum.is_contiguous() &&
+                            wsum.numel() == tiles * (k / unit) * kA8Cols),
+              "int8 weights need wsum, int32 (tiles, K / min(group, 32), 16)");
+  if (m == 0 || n == 0) return;
+  const int64_t groups = k / group;
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> x_scale(m * (k / unit));
+  std::vector<float> x_gsum(has_mins ? m * groups : 0);
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      quantize_row(x + r * k, k, unit, group, xq.data() + r * k, x_scale.data() + r * (k / unit),
+                   has_mins ? x_gsum.data() + r * groups : nullptr);
+      if (offset_x) {
+        for (int64_t i = r * k; i < (r + 1) * k; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);  // + 128 as uint8
+      }
+    }
+  });
+  const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+                    has_mins ? mins.data_ptr<float>() : nullptr, offset_x ? wsum.data_ptr<int32_t>() : nullptr,
+                    reinterpret_cast<const uint8_t*>(xq.data()), x_scale.data(),
+                    has_mins ? x_gsum.data() : nullptr, y, m, n, k, group, int4};
+  const Kernel kernel = isa == "avx512vnni" ? a8_columns_avx512vnni
+                        : isa == "avxvnni"  ? a8_columns_avxvnni
+                                            : a8_columns_avx2;
+  // Tiles of 16 columns over the threads; several chunks per thread so uneven cores even out.
+  const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { kernel(p, t0, t1); });
+}
+
+TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
+  m.def("a8_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? wsum, int n, int k, int group_size, "
+        "bool int4, str isa) -> Tensor");
+  m.def("a8_isa_supported(str isa) -> bool", &a8_isa_supported);  // no tensors: one kernel for all keys
+}
+
+TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("a8_gemm", &a8_gemm); }

@@ -1,0 +1,51 @@
+// The int8-activation GEMM's problem description and its per-ISA column kernels.
+//
+// Shared by a8_gemm.cpp (the op: activation quantization, the ISA choice, threading; compiled
+// with the folder's AVX2 flags) and the three kernel translation units a8_gemm_avx512vnni.cpp,
+// a8_gemm_avxvnni.cpp and a8_gemm_avx2.cpp, each of which switches on its own instruction set
+// with `#pragma GCC target` at its top (the per-file equivalent of -m flags, which
+// torch.utils.cpp_extension cannot set per source). Those files include only this header,
+// <cstdint> and <immintrin.h> (always-inline intrinsics): an out-of-line inline function from
+// ATen or the standard library compiled there with AVX-512 could be the copy the linker keeps
+// for every caller and fault on a CPU without it. So this header is plain data, no templates.
+#pragma once
+
+#include <cstdint>
+
+namespace edgeinfer_cpu {
+
+constexpr int64_t kA8Cols = 16;  // output columns per prepared weight tile (one zmm of int32)
+// Activation values per scale: min(group, kA8Unit). On SmolLM2-135M (perplexity 46.58 with
+// int16 activations) one scale per row (per token) gave 56.98 (+22%; likely a few large
+// channels, whose row-wide scale flattens every other value), one per 32 46.83 (+0.52%), one
+// per 16 47.00 (+0.90%: finer, yet no better; at this level rounding noise decides).
+constexpr int64_t kA8Unit = 32;
+
+// y (M, N) fp32 = x (M, K) @ W.T, x quantized to int8 per unit u of U = min(group, kA8Unit)
+// values (x ~= x_scale[r, u] * code):
+//   y[r, n] = sum_u scale[n, g(u)] * x_scale[r, u] * dot_u(code_r, q_n) + sum_g min[n, g] * x_gsum[r, g]
+// with x_gsum the exact fp32 group sums of x.
+// Weight tiles of kA8Cols columns (N padded to a multiple), per tile in K order:
+//   int4: per 32-block, 4 vectors of 64 bytes; byte 4c + j of vector v holds column c's code
+//         for k = 4v + j in its low nibble and k = 16 + 4v + j in its high nibble (unsigned 0..15).
+//   int8: per 4 values of K, 64 bytes; byte 4c + j holds column c's signed code for k = 4q + j.
+// scales / mins: (tiles, groups, kA8Cols); wsum: (tiles, K / U, kA8Cols) = -128 * the unit's code sum (int8).
+struct A8Problem {
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;     // null: no min term
+  const int32_t* wsum;   // int8 weights; the VNNI kernels start each unit's sum from it
+  const uint8_t* x;      // (M, K) codes: int8, or for the VNNI int8 kernels int8 + 128 as uint8
+  const float* x_scale;  // (M, K / U)
+  const float* x_gsum;   // (M, groups); null without mins
+  float* y;              // (M, N)
+  int64_t m, n, k, group;
+  bool int4;
+};
+
+// Columns tiles [tile0, tile1) of y for all M rows.
+void a8_columns_avx512vnni(const A8Problem& p, int64_t tile0, int64_t tile1);
+void a8_columns_avxvnni(const A8Problem& p, int64_t tile0, int64_t tile1);
+void a8_columns_avx2(const A8Problem& p, int64_t tile0, int64_t tile1);
+
+}  // namespace edgeinfer_cpu

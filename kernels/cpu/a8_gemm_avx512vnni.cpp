@@ -1,0 +1,41 @@
+// The int8-activation GEMM kernel for AVX512-VNNI: vpdpbusd on 64 bytes, 16 columns per vector,
+// 8 activation rows per pass over a weight tile (16 int32 + 8 fp32 accumulators of 32 zmm).
+// int4 x int8: codes 0..15 are dpbusd's unsigned operand as they are. int8 x int8: x + 128 is
+// the unsigned operand and each group's sum starts at -128 * sum(w), prepared with the weight.
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "a8_gemm.h"
+
+namespace {
+
+using Vi = __m512i;
+using Vf = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int kRows = 8;
+constexpr bool kOffsetX = true;
+
+inline Vi load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline Vi add_i(Vi a, Vi b) { return _mm512_add_epi32(a, b); }
+inline Vi zero_i() { return _mm512_setzero_si512(); }
+inline Vi set1_i(int32_t v) { return _mm512_set1_epi32(v); }
+inline Vi low_nibbles(Vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline Vi high_nibbles(Vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline Vi dot_u4(Vi acc, Vi w, Vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline Vi s8_magnitude(Vi w) { return w; }
+inline Vi dot_s8(Vi acc, Vi, Vi w, Vi x_offset) { return _mm512_dpbusd_epi32(acc, x_offset, w); }
+inline Vf zero_f() { return _mm512_setzero_ps(); }
+inline Vf set1_f(float v) { return _mm512_set1_ps(v); }
+inline Vf load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_f(float* p, Vf v) { _mm512_storeu_ps(p, v); }
+inline Vf to_f(Vi v) { return _mm512_cvtepi32_ps(v); }
+inline Vf fmadd_f(Vf a, Vf b, Vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vf mul_f(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
+
+}  // namespace
+
+#define A8_ENTRY a8_columns_avx512vnni
+#include "a8_gemm_kernel.inc"

@@ -1,0 +1,116 @@
+"""int4 / int8 weight x int8 activation CPU GEMMs (kernels/cpu/a8_gemm*.cpp): weight tiles, the
+instruction-set choice and the call.
+
+Activations are quantized inside the op, symmetric with a scale per 32 values (absmax / 127;
+16 for int8 groups of 16: llama.cpp's Q8_1 granularity; on the default model one scale per row
+cost 22% perplexity, per 32 +0.52%, per 16 +0.90%); the
+integer dot products run on AVX512-VNNI (vpdpbusd), AVX-VNNI or AVX2 (vpmaddubsw) kernels,
+each compiled for its own instruction set, the best this CPU runs chosen once (``default_isa``;
+``EDGEINFER_CPU_ISA`` names another for comparison and tests). A weight is re-laid out once
+(``prepare_a8``) into tiles of 16 columns whose bytes hold 4 consecutive K values per column,
+so one vector load feeds 16 output columns for every activation row of the batch.
+kernels.reference.int8_activation_gemm_reference is the torch reference; the int16-activation
+kernels of kernels.cpu_ops stay the accuracy reference against which this path is judged.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quant.formats import QuantizedTensor, unpack_int4
+
+ISA_ENV = "EDGEINFER_CPU_ISA"
+ISAS = ("avx512vnni", "avxvnni", "avx2")  # best first
+COLS = 16  # output columns per weight tile (a8_gemm.h kA8Cols)
+UNIT = 32  # activation values per scale, at most (a8_gemm.h kA8Unit; int8 groups of 16: 16)
+
+
+@dataclass(frozen=True)
+class A8Weight:
+    """A weight in the a8 kernels' tiles (see kernels/cpu/a8_gemm.h for the byte order)."""
+
+    codes: torch.Tensor  # int4: uint8 (tiles, K // 32, 4, 64); int8: int8 (tiles, K // 4, 64)
+    scales: torch.Tensor  # fp32 (tiles, groups, 16)
+    mins: torch.Tensor | None  # fp32 (tiles, groups, 16); int4 always
+    wsum: torch.Tensor | None  # int8: int32 (tiles, K // min(group, 32), 16) = -128 * the unit's code sum
+    shape: tuple[int, int]  # (N, K)
+    group_size: int
+    int4: bool
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for t in (self.codes, self.scales, self.mins, self.wsum) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def supports(weight: QuantizedTensor) -> bool:
+    """int4 with K and group multiples of 32, or int8 with K a multiple of 32 and groups of 16k."""
+    k, group = weight.shape[1], weight.group_size
+    if k % 32:
+        return False
+    return (weight.format == "int4" and group % 32 == 0) or (weight.format == "int8" and group % 16 == 0)
+
+
+def prepare_a8(weight: QuantizedTensor) -> A8Weight:
+    """Re-lay a quant.formats int4 or int8 weight into 16-column tiles (N padded with zeros)."""
+    if not supports(weight):
+        raise ValueError(f"the int8-activation kernels need int4 (K, group multiples of 32) or int8 (K a multiple of "
+                         f"32, group of 16) weights, got {weight.format} {weight.shape} group {weight.group_size}")
+    n, k = weight.shape
+    group = weight.group_size
+    tiles = -(-n // COLS)
+    pad = tiles * COLS - n
+    int4 = weight.format == "int4"
+    q = unpack_int4(weight.qweight) if int4 else weight.qweight  # (N, K)
+    q = F.pad(q, (0, 0, 0, pad)).view(tiles, COLS, k)
+    if int4:
+        # k = 32b + 16 * half + 4v + j -> byte [tile, b, v, 4c + j], half 0 low nibble, 1 high.
+        q = q.view(tiles, COLS, k // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        codes = (q[..., 0] | (q[..., 1] << 4)).contiguous().view(tiles, k // 32, 4, 64)
+    else:
+        codes = q.view(tiles, COLS, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(tiles, k // 4, 64)
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:  # (N, groups) -> (tiles, groups, 16)
+        return F.pad(t.float(), (0, 0, 0, pad)).view(tiles, COLS, k // group).transpose(1, 2).contiguous()
+
+    mins = per_tile(weight.mins) if weight.mins is not None else None
+    wsum = None
+    if not int4:
+        unit = min(group, UNIT)
+        sums = weight.qweight.view(n, k // unit, unit).sum(-1, dtype=torch.int32).float()
+        wsum = (F.pad(sums, (0, 0, 0, pad)).view(tiles, COLS, k // unit).transpose(1, 2) * -128).to(torch.int32)
+        wsum = wsum.contiguous()  # |sums| <= 32 * 128: exact in fp32
+    return A8Weight(codes, per_tile(weight.scales), mins, wsum, (n, k), group, int4)
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU runs the ``isa`` kernel; the C++ ops must be loaded (kernels.cpu_ops.available(),
+    which imports this module for its weight type, so it is not called from here)."""
+    if isa not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {ISAS}, got {isa!r}")
+    if not hasattr(torch.ops.edgeinfer_cpu, "a8_isa_supported"):
+        raise RuntimeError("the C++ CPU ops are not loaded: call kernels.cpu_ops.available() first")
+    return torch.ops.edgeinfer_cpu.a8_isa_supported(isa)
+
+
+@functools.cache
+def default_isa() -> str:
+    """The kernel to run, decided once: ``EDGEINFER_CPU_ISA`` where set, else the best one this CPU runs."""
+    requested = os.environ.get(ISA_ENV, "").lower()
+    if requested:
+        if not isa_supported(requested):
+            raise ValueError(f"{ISA_ENV}={requested}: this CPU cannot run that kernel")
+        return requested
+    return next((isa for isa in ISAS if isa_supported(isa)), "avx2")
+
+
+def a8_linear(x: torch.Tensor, weight: A8Weight, isa: str | None = None) -> torch.Tensor:
+    """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 32)."""
+    n, k = weight.shape
+    return torch.ops.edgeinfer_cpu.a8_gemm(x, weight.codes, weight.scales, weight.mins, weight.wsum, n, k,
+                                           weight.group_size, weight.int4, isa or default_isa())

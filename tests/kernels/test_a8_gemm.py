@@ -1,0 +1,117 @@
+"""The int8-activation CPU GEMMs (kernels.cpu_a8) against their torch reference, on every
+instruction set this CPU runs (the others are skipped, so a CPU without VNNI passes too).
+
+Awkward shapes: M not a multiple of the kernels' row blocks (4 and 8), N not a multiple of the
+16-column tile, K = 576 and 1536 (SmolLM2-135M's), groups 16 (int8), 32, 64 and 128. Inputs are
+random and off-centre; int8 codes cover their full range, -128 included (GGUF Q8_0 can hold it).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernels import cpu_a8, cpu_ops
+from kernels.reference import int4_gemm_reference, int8_activation_gemm_reference, int8_gemm_reference
+from quant.formats import quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+
+RUNNABLE = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported(isa),
+                                                       reason=f"this CPU cannot run {isa}"))
+            for isa in cpu_a8.ISAS]
+
+
+def _weight(fmt, n, k, group, seed, mins=False, scale_dtype=torch.float16):
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, k, generator=gen) * 0.2 + 0.05
+    if fmt == "int4":
+        w = quantize_int4(dense, group)
+        return replace(w, scales=w.scales.to(scale_dtype), mins=w.mins.to(scale_dtype))
+    w = quantize_int8(dense, group)
+    qweight = w.qweight.clone()
+    qweight[0, :3] = -128  # the one code quantize_int8 never makes
+    extra = (torch.rand(n, k // group, generator=gen) - 0.5).to(scale_dtype) if mins else None
+    return replace(w, qweight=qweight, scales=w.scales.to(scale_dtype), mins=extra)
+
+
+def _x(m, k, seed):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 2 + 0.3
+    x[0, 5] = 9.0  # an outlier: the row's scale follows it
+    if m > 2:
+        x[2] = 0.0  # a zero row: scale 0
+    return x
+
+
+SHAPES = [(37, 576, 32), (50, 576, 64), (19, 1536, 128), (130, 1536, 32)]
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 19])
+def test_a8_gemm_matches_reference(isa, fmt, n, k, group, m):
+    weight = _weight(fmt, n, k, group, seed=n + m)
+    x = _x(m, k, seed=m)
+    out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight), isa)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    reference = int8_activation_gemm_reference(x, weight)
+    # Same int8 rounding of x, exact integer dots: equal up to fp32 rounding of the unit sums.
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
+    # Against the exact product: int8 activations (a scale per 32) cost ~1%, on these Gaussian rows.
+    exact = (int4_gemm_reference if fmt == "int4" else int8_gemm_reference)(x, weight)
+    assert float((out - exact).norm() / exact.norm()) < 0.05
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("group,mins", [(16, False), (16, True), (32, True), (128, False)])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_a8_gemm_int8_groups_and_mins(isa, group, mins, scale_dtype):
+    weight = _weight("int8", 45, 1536, group, seed=group, mins=mins, scale_dtype=scale_dtype)
+    x = _x(11, 1536, seed=group)
+    out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight), isa)
+    reference = int8_activation_gemm_reference(x, weight)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
+
+
+def test_isas_agree_and_the_default_is_the_best():
+    runnable = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
+    assert "avx2" in runnable and cpu_a8.default_isa() in runnable
+    weight = cpu_a8.prepare_a8(_weight("int4", 70, 576, 32, seed=1))
+    x = _x(13, 576, seed=2)
+    outs = [cpu_a8.a8_linear(x, weight, isa) for isa in runnable]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=1e-5)
+
+
+def test_isa_override(monkeypatch):
+    monkeypatch.setenv(cpu_a8.ISA_ENV, "avx2")
+    assert cpu_a8.default_isa.__wrapped__() == "avx2"
+    monkeypatch.setenv(cpu_a8.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="EDGEINFER_CPU_ISA"):
+        cpu_a8.default_isa.__wrapped__()
+
+
+def test_unsupported_weights_and_shapes_raise():
+    with pytest.raises(ValueError, match="int8-activation"):
+        cpu_a8.prepare_a8(quantize_int8(torch.randn(8, 48), 16))  # K not a multiple of 32
+    weight = cpu_a8.prepare_a8(_weight("int4", 20, 64, 32, seed=3))
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_a8.a8_linear(torch.randn(2, 32), weight)
+    assert cpu_a8.a8_linear(torch.randn(0, 64), weight).shape == (0, 20)
+
+
+def test_dispatch_runs_a8_for_every_m_where_asked():
+    from kernels.dispatch import choose_backend, linear, prepare_linear
+
+    weight = _weight("int4", 40, 576, 32, seed=4)
+    backend = choose_backend("int4_cpu", "cpu", int8_activations=True)
+    assert backend.int8_activations
+    prepared = prepare_linear(weight, backend)
+    assert prepared.path == "a8_cpu"
+    for m in (1, 3, 70):
+        x = _x(m, 576, seed=m)
+        torch.testing.assert_close(linear(x, prepared), int8_activation_gemm_reference(x, weight), rtol=1e-5,
+                                   atol=1e-3)
+    assert prepare_linear(weight, choose_backend("int4_cpu", "cpu")).path == "int4_cpu"  # int16: the default
+    assert not choose_backend("reference", "cpu", int8_activations=True).int8_activations

@@ -1,0 +1,100 @@
+"""The int8-activation GEMMs (kernels.cpu_a8) against the int16-activation kernel and fp32.
+
+For SmolLM2-135M's two MLP shapes (gate/up-like N=1536 x K=576 and down-like N=576 x K=1536) at
+M = 1, 4, 16, 64, 256, prints microseconds per call and GOP/s (2 M N K / time) of: the a8 kernel
+on each instruction set this CPU runs, the int16-activation kernel (kernels.cpu_ops, today's
+path up to 64 rows) and torch's fp32 GEMM on the already dequantized weight (a lower bound for
+today's dequantize + GEMM path above 64 rows), with the a8 figures also as a fraction of this
+machine's int8 peak for their instruction set (tools/int8_peak.py, on the same threads). Each
+runs --repeats calls in a row (the median counts); run it with nice, on a quiet machine.
+
+    python tools/bench_int8_gemm.py [--format int4|int8] [--m 1 4 16 64 256] [--threads 2] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from int8_peak import peak_gops  # noqa: E402
+
+from kernels import cpu_a8, cpu_ops  # noqa: E402
+from quant.formats import quantize_int4, quantize_int8  # noqa: E402
+
+SHAPES = {"1536x576": (1536, 576), "576x1536": (576, 1536)}
+
+
+def _median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each function, each timed in its own run of calls: taking
+    turns with 256-bit code, the AVX-512 kernel paid the core's AVX-512 power-up every call
+    (M = 1: 48 us interleaved, 17 us in a run)."""
+    result = {}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()  # warm up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        result[name] = statistics.median(times) * 1e6
+    return result
+
+
+def _calls(x: torch.Tensor, a8: cpu_a8.A8Weight, isas: list[str], int16: Callable[[torch.Tensor], object],
+           w_fp32: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The contenders for one input: the a8 kernel per ISA, the int16 kernel, fp32."""
+    calls: dict[str, Callable[[], object]] = {isa: functools.partial(cpu_a8.a8_linear, x, a8, isa) for isa in isas}
+    calls["int16"] = functools.partial(int16, x)
+    calls["fp32"] = functools.partial(torch.matmul, x, w_fp32.t())
+    return calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--format", choices=["int4", "int8"], default="int4")
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    if not cpu_ops.available():
+        sys.exit("the C++ CPU ops do not build here")
+    torch.set_num_threads(args.threads)
+    isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
+    peaks = {isa: peak_gops(isa, args.threads) for isa in isas}
+    print(f"{args.threads} threads; int8 peak GOP/s: " + ", ".join(f"{isa} {p:.0f}" for isa, p in peaks.items()))
+    print(f"{'shape':>9} {'M':>4} " + " ".join(f"{name:>20}" for name in [*isas, "int16", "fp32"]))
+    for label, (n, k) in SHAPES.items():
+        dense = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+        weight = quantize_int4(dense, 32) if args.format == "int4" else quantize_int8(dense, 32)
+        a8 = cpu_a8.prepare_a8(weight)
+        if args.format == "int4":
+            int16_weight = cpu_ops.prepare_int4(weight)
+            int16 = cpu_ops.int4_linear
+        else:
+            int16_weight = cpu_ops.prepare_int8(weight)
+            int16 = cpu_ops.int8_linear
+        w_fp32 = weight.dequantize(torch.float32)
+        for m in args.m:
+            x = torch.randn(m, k)
+            us = _median_us(_calls(x, a8, isas, functools.partial(int16, weight=int16_weight), w_fp32), args.repeats)
+            cells = []
+            for name, t in us.items():
+                gops = 2 * m * n * k / t / 1e3
+                share = f" {gops / peaks[name]:4.0%}" if name in peaks else "     "
+                cells.append(f"{t:7.0f}us {gops:5.0f}G{share}")
+            print(f"{label:>9} {m:>4} " + " ".join(f"{c:>20}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
