@@ -39,7 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgeinfer.config import KV_DTYPES, LINEAR_PATHS, RuntimeConfig, SchedulerConfig  # noqa: E402
+from edgeinfer.config import CPU_ACTIVATIONS, KV_DTYPES, LINEAR_PATHS, RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.events import Error, Finished  # noqa: E402
 from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
@@ -99,7 +99,8 @@ async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespac
 
 async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float]]:
     runtime = RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
-                            num_threads=args.threads, kv_memory_bytes=args.kv_memory_mib << 20)
+                            cpu_activations=args.cpu_activations, num_threads=args.threads,
+                            kv_memory_bytes=args.kv_memory_mib << 20)
     scheduler = SchedulerConfig(max_num_seqs=max(args.streams),
                                 max_num_batched_tokens=max(args.token_budget, max(args.streams)),
                                 max_waiting=max(args.streams))
@@ -176,7 +177,8 @@ def run_http(target: str, args: argparse.Namespace, encode) -> list[dict[str, fl
         if target == "openai":
             cmd = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(args.model), "--port", str(port),
                    "--ctx", str(ctx), "--parallel", str(parallel), "--threads", threads,
-                   "--linear-path", args.linear_path, "--kv-dtype", args.kv_dtype]
+                   "--linear-path", args.linear_path, "--kv-dtype", args.kv_dtype,
+                   "--cpu-activations", args.cpu_activations]
             env, health = {**os.environ, "EDGEINFER_CONFIG_DIR": tmp}, "/healthz"
         else:
             cmd = [str(Path(os.environ["LLAMA_CPP_BIN"]) / "llama-server"), "-m", str(args.model), "--port", str(port),
@@ -270,6 +272,8 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=512, help="engine: max tokens per step (default: 512)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="engine device (default: cpu)")
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS, help="edgeinfer linear path")
+    p.add_argument("--cpu-activations", default=RuntimeConfig.cpu_activations, choices=CPU_ACTIVATIONS,
+                   help="edgeinfer: activations of the CPU int4/int8 GEMMs (default: %(default)s)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES), help="edgeinfer KV format")
     p.add_argument("--kv-memory-mib", type=int, default=1024, help="engine: KV pool MiB (default: 1024)")
     p.add_argument("--threads", type=int, default=None, help="threads of every target (default: one per core)")
