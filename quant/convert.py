@@ -69,6 +69,7 @@ class ConvertOptions:
     force: bool = False
     verbose: bool = False
     fp16_scales: bool = False  # int4/int8 scales and mins as fp16 values (GGUF export: exact Q4_1 / Q8_0)
+    ct_layout: bool = False  # compressed-tensors export: int4 integer zero points, fp16 plain tensors (exact)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -217,6 +218,8 @@ def target_format(name: str, ndim: int, opts: ConvertOptions) -> tuple[str, int 
     """(format, group size) for one weight; "keep" copies the source format. See module docstring."""
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in opts.skip):
         return "keep", None
+    if opts.ct_layout and (ndim != 2 or name in (EMBED, LM_HEAD)):
+        return "fp16", None  # what vLLM runs in fp16: the same numbers
     if ndim != 2:
         return "fp32", None
     if name in (EMBED, LM_HEAD):
@@ -257,9 +260,12 @@ def effective_group(group_size: int | None, k: int) -> int:
     raise ModelFileError(f"no group size <= {group_size} divides K={k}; choose another --group-size")
 
 
-def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales: bool = False) -> Weight:
+def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales: bool = False,
+                   zero_points: bool = False) -> Weight:
     """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged
-    (with ``fp16_scales`` only if its scales are fp16). ``fp16_scales``: see quant.fp16_groups."""
+    (with ``fp16_scales`` only if its scales are fp16). ``fp16_scales``: see quant.fp16_groups;
+    ``zero_points`` (compressed-tensors export): int4 with an integer zero point and fp16 scale
+    values, int8 with fp16 scales (quant.ctensors_codes), always re-rounded."""
     if fmt == "keep":
         return weight
     if fmt in _PLAIN:
@@ -268,9 +274,14 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales
         return dense(weight).to(_PLAIN[fmt])
     group = effective_group(group_size, weight.shape[1])
     if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group and (
-            not fp16_scales or weight.scales.dtype == torch.float16):
+            not fp16_scales or weight.scales.dtype == torch.float16) and not zero_points:
         return weight
     w = dense(weight)
+    if fmt == "int4" and zero_points:
+        from quant.ctensors_codes import quantize_int4_zp
+
+        return quantize_int4_zp(w, group)
+    fp16_scales = fp16_scales or zero_points
     if fmt in ("int4", "int8") and fp16_scales:
         from quant.fp16_groups import quantize_int4_fp16, quantize_int8_fp16
 
@@ -341,7 +352,7 @@ def convert(
                 old = source.load(name)
                 new = convert_weight(
                     old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts),
-                    opts.fp16_scales)
+                    opts.fp16_scales, opts.ct_layout)
                 if calibrator is not None and name == EMBED:
                     calibrator.set_embedding(dense(new))
                 yield emit(name, new, old)
@@ -374,7 +385,8 @@ def _calibrated_layer(
 
         # The errors reported are then against the scaled weights, which the checkpoint holds.
         olds = scale_layer(source.config, index, olds, lambda w, linear: calibrator.layer_inputs(index, w, linear),
-                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts), opts.fp16_scales)),
+                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts), opts.fp16_scales,
+                                                                opts.ct_layout)),
                            log if opts.verbose else None)
     news: dict[str, Weight] = {}
 
@@ -382,7 +394,7 @@ def _calibrated_layer(
         old = olds[name]
         fmt, group = target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
         if hessian is None or fmt not in ("int4", "int8"):
-            news[name] = convert_weight(old, fmt, group, opts.fp16_scales)
+            news[name] = convert_weight(old, fmt, group, opts.fp16_scales, opts.ct_layout)
         else:
             news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]),
                                        fp16_scales=opts.fp16_scales)
