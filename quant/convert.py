@@ -100,7 +100,7 @@ class ConvertOptions:
 class Source:
     """A model to convert, read one tensor at a time."""
 
-    kind: str  # "gguf" | "hf" | "bnb4"
+    kind: str  # "gguf" | "hf" | "bnb4" | "ct" (compressed-tensors pack-quantized)
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
@@ -149,18 +149,22 @@ _BNB_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant
 def _open_hf(folder: Path) -> Source:
     from safetensors import SafetensorError, safe_open
 
+    from quant.ctensors_import import ct_weight, is_ctensors, module_names
+    from quant.ctensors_import import is_part as ct_part
     from quant.hf_import import read_hf_config
 
     config = read_hf_config(folder)
     raw = json.loads((folder / "config.json").read_text())
     qcfg = raw.get("quantization_config") or {}
     kind = "hf"
-    if qcfg:
+    if qcfg and is_ctensors(qcfg):
+        kind = "ct"
+    elif qcfg:
         if qcfg.get("quant_method") != "bitsandbytes" or not qcfg.get("load_in_4bit"):
             raise ModelFileError(
                 f"{folder}: quantization_config {qcfg.get('quant_method')!r} "
                 f"(load_in_4bit={qcfg.get('load_in_4bit')}) is not supported; "
-                "edgeinfer converts plain and bitsandbytes 4-bit checkpoints"
+                "edgeinfer converts plain, bitsandbytes 4-bit and compressed-tensors checkpoints"
             )
         kind = "bnb4"
     files = sorted(folder.glob("*.safetensors"))
@@ -173,8 +177,9 @@ def _open_hf(folder: Path) -> Source:
             handles.update(dict.fromkeys(handle.keys(), handle))
     except (SafetensorError, OSError) as exc:
         raise ModelFileError(f"{folder}: {exc} (truncated or corrupt safetensors?)") from exc
-    is_part = lambda key: any(f".weight.{p}" in key for p in _BNB_PARTS)  # noqa: E731
-    names = [key for key in handles if not is_part(key)]
+    is_part = lambda key: any(f".weight.{p}" in key for p in _BNB_PARTS) or ct_part(key)  # noqa: E731
+    packed = set(module_names(list(handles))) if kind == "ct" else set()
+    names = [key for key in handles if not is_part(key)] + [f"{m}.weight" for m in sorted(packed)]
 
     def get(key: str) -> torch.Tensor:
         try:
@@ -183,6 +188,8 @@ def _open_hf(folder: Path) -> Source:
             raise ModelFileError(f"{folder}: tensor {key} cannot be read (truncated?): {exc}") from exc
 
     def load(name: str) -> Weight:
+        if name.removesuffix(".weight") in packed:
+            return ct_weight(qcfg, name.removesuffix(".weight"), get, handles.__contains__, str(folder))
         if f"{name}.absmax" in handles:
             return _dequantize_bnb4(
                 folder,

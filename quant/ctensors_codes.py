@@ -37,7 +37,9 @@ class Codes:
 
     @property
     def strategy(self) -> str:
-        return "channel" if self.group_size == self.codes.shape[1] else "group"
+        """int8 per row is "channel" (W8A16); int4 is "group" even where one group spans K, so a
+        model has one scheme (transformers' dequantizing load applies the first one to all)."""
+        return "channel" if self.num_bits == 8 and self.group_size == self.codes.shape[1] else "group"
 
 
 class NotRepresentable(ValueError):

@@ -93,9 +93,12 @@ def quantization_config(schemes: dict[tuple[int, int | None, bool], list[str]]) 
             "transform_config": {}, **qc.model_dump(exclude=["quant_method"])}
 
 
-def _compress(codes: Codes, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _compress(codes: Codes) -> dict[str, torch.Tensor]:
     """weight_packed, weight_scale, weight_shape (+ weight_zero_point) by the library's compressor,
-    from weights that are exactly ``scale * (codes - zero)`` so its rounding gives back ``codes``."""
+    from weights that are exactly ``scale * (codes - zero)`` so its rounding gives back ``codes``.
+    Scales are stored as fp32: compressed-tensors dequantizes in the scale's dtype, and an fp16
+    product ``s * (q - z)`` would round where the engine's fp32 one does not (vLLM casts them to
+    its dtype, exactly: they are fp16 values)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -110,12 +113,7 @@ def _compress(codes: Codes, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]
     if codes.zero_point is not None:
         state["weight_zero_point"] = codes.zero_point
     out = PackedQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args))
-    out["weight_scale"] = codes.scale.to(scale_dtype)
     return out
-
-
-def _fp16_exact(t: torch.Tensor) -> bool:
-    return bool(torch.equal(t.float().half().float(), t.float()))
 
 
 def export_ctensors(checkpoint: str | os.PathLike[str], dst: str | os.PathLike[str], *, force: bool = False,
@@ -144,8 +142,7 @@ def export_ctensors(checkpoint: str | os.PathLike[str], dst: str | os.PathLike[s
             raise ModelFileError(f"{checkpoint}: {name} cannot be written as compressed-tensors: {exc}") from exc
         module = name.removesuffix(".weight")
         schemes.setdefault(_scheme_key(codes), []).append(module)
-        scale_dtype = torch.float16 if _fp16_exact(codes.scale) else torch.float32
-        for part, tensor in _compress(codes, scale_dtype).items():
+        for part, tensor in _compress(codes).items():
             tensors[f"{module}.{part}"] = tensor.contiguous()
     if dequantized:
         log(f"note: {', '.join(dequantized)} written dequantized as fp32 (no loader reads a quantized embedding)")

@@ -29,7 +29,8 @@ def _quantize_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected), or its "
                    "name from `edgeinfer list`")
-    p.add_argument("dst", help="checkpoint folder (or, with --format gguf, file) to write, atomically")
+    p.add_argument("dst", help="checkpoint folder (or, with --format gguf, file; compressed-tensors, HF folder) "
+                   "to write, atomically")
     p.add_argument("--weights", required=True, choices=WEIGHT_FORMATS, help="format of the linear layers")
     p.add_argument(
         "--group-size",
@@ -51,9 +52,11 @@ def _quantize_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="keep weights whose name matches this fnmatch pattern in the source format (repeatable)",
     )
-    p.add_argument("--format", choices=("edgeinfer", "gguf"), default="edgeinfer",
+    p.add_argument("--format", choices=("edgeinfer", "gguf", "compressed-tensors"), default="edgeinfer",
                    help="edgeinfer checkpoint folder (default), or one GGUF file for llama.cpp / ollama "
-                        "(int4 as Q4_1, int8 as Q8_0, with fp16 scales so the file holds exactly these weights)")
+                        "(int4 as Q4_1, int8 as Q8_0, with fp16 scales so the file holds exactly these weights), "
+                        "or an HF folder in the compressed-tensors layout for vLLM / transformers (pack-quantized "
+                        "W4A16 with integer zero points, W8A16; fp16 scales and plain tensors: the same numbers)")
     p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint at DST")
     add_log_level(p)  # info (-v) also prints each weight's format and relative error
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -108,6 +111,10 @@ def quantize_main(argv: list[str]) -> int:
             from quant.export_gguf import convert_to_gguf
 
             report = convert_to_gguf(src, args.dst, opts, progress=shown)
+        elif args.format == "compressed-tensors":
+            from quant.export_ctensors import convert_to_ctensors
+
+            report = convert_to_ctensors(src, args.dst, opts, progress=shown)
         else:
             report = convert(src, args.dst, opts, progress=shown)
     except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors
