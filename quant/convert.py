@@ -26,6 +26,7 @@ KV pool of one calibration sequence).
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import sys
 import time
@@ -51,7 +52,7 @@ EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 DEFAULT_GROUP = {"int4": 32, "nf4": 64, "int8": None}
 _PLAIN = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class ConvertOptions:
     verbose: bool = False
     fp16_scales: bool = False  # int4/int8 scales and mins as fp16 values (GGUF export: exact Q4_1 / Q8_0)
     ct_layout: bool = False  # compressed-tensors export: int4 integer zero points, fp16 plain tensors (exact)
+    precisions: tuple[tuple[str, str, int | None], ...] = ()  # (name, format, group) per linear: a budget plan
+    plan: str = ""  # the budget plan as JSON, stored in config.json as "edgeinfer_plan" (quant.budget)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -105,6 +108,9 @@ def target_format(name: str, ndim: int, opts: ConvertOptions) -> tuple[str, int 
     """(format, group size) for one weight; "keep" copies the source format. See module docstring."""
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in opts.skip):
         return "keep", None
+    for planned, fmt, group in opts.precisions:
+        if planned == name:
+            return fmt, group
     if opts.ct_layout and (ndim != 2 or name in (EMBED, LM_HEAD)):
         return "fp16", None  # what vLLM runs in fp16: the same numbers
     if ndim != 2:
@@ -180,12 +186,12 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales
     return quantize_nf4(w, group)
 
 
-def _ordered(names: list[str]) -> list[list[str]]:
+def layer_groups(names: list[str]) -> list[list[str]]:
     """Names grouped: [embedding], layer 0, layer 1, ..., [everything else] (calibration order)."""
     layers: dict[int, list[str]] = {}
     rest = []
     for name in names:
-        m = _LAYER.match(name)
+        m = LAYER_NAME.match(name)
         if m:
             layers.setdefault(int(m.group(1)), []).append(name)
         elif name != EMBED:
@@ -231,8 +237,8 @@ def convert(
         return name, new
 
     def stream() -> Iterator[tuple[str, Weight]]:
-        for group in _ordered(source.names):
-            if calibrator is not None and group and _LAYER.match(group[0]):
+        for group in layer_groups(source.names):
+            if calibrator is not None and group and LAYER_NAME.match(group[0]):
                 yield from _calibrated_layer(group, source, opts, calibrator, emit, log)
                 continue
             for name in group:
@@ -244,7 +250,8 @@ def convert(
                     calibrator.set_embedding(dense(new))
                 yield emit(name, new, old)
 
-    save_checkpoint(dst, source.config, source.tokenizer, stream(), source.names, force=opts.force)
+    save_checkpoint(dst, source.config, source.tokenizer, stream(), source.names, force=opts.force,
+                    extra_config={"edgeinfer_plan": json.loads(opts.plan)} if opts.plan else None)
     report.seconds = time.perf_counter() - start
     errors = [e for n, e in report.errors.items() if report.formats[n] not in ("float32",)]
     if errors:
@@ -265,7 +272,7 @@ def _calibrated_layer(
 ) -> Iterator[tuple[str, Weight]]:
     from quant.calibrate import gptq_quantize
 
-    index = int(_LAYER.match(names[0]).group(1))
+    index = int(LAYER_NAME.match(names[0]).group(1))
     olds = {name: source.load(name) for name in names}
     if opts.calibrate.startswith("awq"):
         from quant.awq import scale_layer
