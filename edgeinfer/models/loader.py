@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -76,5 +76,6 @@ def check_budget_plan(plan: dict[str, Any], available_bytes: int, device: str) -
             f"this checkpoint was planned for weights {int(plan['weight_bytes']) / MB:,.0f} MB + KV "
             f"{int(plan['kv_bytes']) / MB:,.0f} MB ({plan['ctx']} tokens x {plan['parallel']}, {plan['kv_dtype']}) "
             f"= {need / MB:,.0f} MB, but {available_bytes / MB:,.0f} MB are available ({device}); "
-            f"{(need - available_bytes) / MB:,.0f} MB short: plan it again with a smaller --budget, --ctx or --parallel")
+            f"{(need - available_bytes) / MB:,.0f} MB short: plan it again with a smaller --budget, --ctx "
+            "or --parallel")
 
