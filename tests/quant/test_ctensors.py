@@ -118,7 +118,8 @@ def _library_folder(tmp_path: Path, scheme: dict) -> Path:
     return src
 
 
-@pytest.mark.parametrize("scheme", [pytest.param(s, marks=pytest.mark.slow) if "g64" in s else s for s in SCHEMES])
+@pytest.mark.parametrize("scheme", [s if "asymmetric" in s else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in SCHEMES])
 def test_a_folder_the_library_packed_imports_exactly(tmp_path: Path, scheme: str) -> None:
     pytest.importorskip("transformers")
     src = _library_folder(tmp_path, SCHEMES[scheme])
