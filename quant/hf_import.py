@@ -138,7 +138,7 @@ def llama3_freq_factors(theta: float, head_dim: int, factor: float, low_freq_fac
     return tuple(factors)
 
 
-def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
