@@ -122,6 +122,8 @@ def quantize_main(argv: list[str]) -> int:
         budget_bytes, fraction = args.budget
         if fraction is not None:
             raise ValueError("--budget takes bytes (1.5GB, 800MiB), not a share of memory")
+        if budget_bytes is None and (args.ctx, args.parallel, args.kv_dtype) != (None, RuntimeConfig.parallel, "fp16"):
+            raise ValueError("--ctx, --parallel and --kv-dtype size the KV cache of a --budget plan; give --budget")
         if budget_bytes is not None and args.format != "edgeinfer":
             raise ValueError(f"--budget writes an edgeinfer checkpoint (--format edgeinfer), not {args.format}")
         if budget_bytes is not None:
