@@ -155,15 +155,15 @@ def choose(options: dict[str, list[LayerChoice]], fixed_bytes: int, budget: Budg
     return current
 
 
-def measure(source: Source, calib_tokens: int = 512, calib_seqlen: int = 128,
+def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib_seqlen: int = 128,
             log: Callable[[str], None] | None = None) -> tuple[dict[str, list[LayerChoice]], int]:
     """Every linear's choices (most bytes first) measured alone on CALIB_TEXT, and the bytes of
-    everything else as the converter stores it (``--weights int4``: embedding/head int8 g32)."""
+    everything else as the converter stores it with ``opts`` (--weights int4: embedding and head
+    int8 g32, norms fp32)."""
     from quant.calibrate import GPTQCalibrator, calibration_tokens
 
     tokens = calibration_tokens(source.tokenizer, Path(CALIB_TEXT), calib_tokens, calib_seqlen)
     calibrator = GPTQCalibrator(source.config, tokens)
-    fixed_opts = ConvertOptions(weights="int4")
     options: dict[str, list[LayerChoice]] = {}
     fixed = 0
     for group in layer_groups(source.names):
@@ -189,7 +189,7 @@ def measure(source: Source, calib_tokens: int = 512, calib_seqlen: int = 128,
             if name in options:
                 continue
             new = convert_weight(old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2,
-                                                     fixed_opts))
+                                                     opts))
             fixed += new.nbytes if isinstance(new, QuantizedTensor) else new.numel() * new.element_size()
             if name == EMBED:
                 calibrator.set_embedding(dense(new))
@@ -205,7 +205,7 @@ def convert_to_budget(src: str | Path, dst: str | Path, opts: ConvertOptions, bu
     check_destination(dst, opts.force)  # fail before the measurement
     source = open_source(src)
     budget = budget.for_model(source.config)
-    options, fixed = measure(source)
+    options, fixed = measure(source, opts)
     plan = choose(options, fixed, budget, source.config)
     log(plan.table())
     precisions = tuple((c.name, c.fmt, c.group) for c in plan.layers)

@@ -17,6 +17,7 @@ from edgeinfer.models.loader import load_model
 from edgeinfer.worker.build import build_runners
 from quant.budget import Budget, choose, measure, output_error
 from quant.checkpoint import load_checkpoint
+from quant.convert import ConvertOptions
 from quant.formats import quantize_int4
 from quant.sources import open_source
 
@@ -33,7 +34,7 @@ def test_output_error_is_the_layers_output_error() -> None:
 def test_plan_fits_mixes_precisions_and_is_stored(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     src = make_tiny_folder(tmp_path / "src")
     source = open_source(src)
-    options, fixed = measure(source)
+    options, fixed = measure(source, ConvertOptions(weights="int4"))
     for name, choices in options.items():  # int8, g32, g64, g128: fewer bytes, more error
         assert [c.precision for c in choices] == ["int8", "int4 g32", "int4 g64", "int4 g128"], name
         assert [c.error for c in choices] == sorted(c.error for c in choices), name
