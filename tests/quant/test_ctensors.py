@@ -68,7 +68,8 @@ def test_export_is_the_engines_weights_in_transformers(tmp_path: Path, weights: 
         assert torch.equal(state[name].float(), dense(weight)), name
     assert isinstance(ours["model.layers.1.mlp.down_proj.weight"], QuantizedTensor)
     # and back: the folder imports onto the same codes, scales and mins
-    _, back = load_hf_folder(out)
+    back_config, back = load_hf_folder(out)
+    torch.testing.assert_close(_logits(back_config, back, prompt), _logits(config, ours, prompt), atol=1e-5, rtol=0)
     for name, weight in ours.items():
         if isinstance(weight, QuantizedTensor):
             assert back[name].format == weight.format and back[name].group_size == weight.group_size, name
