@@ -2,7 +2,8 @@
 
 The folder holds config.json (the HF architecture's fields plus ``quantization_config``: format
 ``pack-quantized``, one config group per distinct (bits, group size, symmetry), its targets the
-exact module names, so a budget plan's mixed precisions survive), model.safetensors and the
+exact module names, so mixed precisions are kept; vLLM reads them, transformers 5.x applies only the
+first group on its dequantizing load), model.safetensors and the
 tokenizer with its chat template (Tokenizer.save). Each int4/int8 linear layer is packed by
 compressed-tensors' own ``PackedQuantizationCompressor`` (weight_packed, weight_scale,
 weight_shape, weight_zero_point when asymmetric) from the exact codes quant.ctensors_codes
