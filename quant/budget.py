@@ -176,7 +176,7 @@ def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib
                 seen: dict[tuple[str, int], LayerChoice] = {}
                 for fmt, size in CHOICES:
                     g = effective_group(size, w.shape[1])
-                    q = convert_weight(w, fmt, g)
+                    q = convert_weight(layer[name], fmt, g)  # as convert does: a source already in it is kept
                     seen.setdefault((fmt, g), LayerChoice(name, fmt, g if fmt == "int4" else None, q.nbytes,
                                                           output_error(w, q, h)))
                 options[name] = sorted(seen.values(), key=lambda c: -c.nbytes)
