@@ -36,7 +36,6 @@ from quant.convert import (
     ConvertReport,
     convert,
     convert_weight,
-    effective_group,
     layer_groups,
     target_format,
 )
@@ -175,10 +174,9 @@ def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib
                 w = dense(layer[name])
                 seen: dict[tuple[str, int], LayerChoice] = {}
                 for fmt, size in CHOICES:
-                    g = effective_group(size, w.shape[1])
-                    q = convert_weight(layer[name], fmt, g)  # as convert does: a source already in it is kept
-                    seen.setdefault((fmt, g), LayerChoice(name, fmt, g if fmt == "int4" else None, q.nbytes,
-                                                          output_error(w, q, h)))
+                    q = convert_weight(layer[name], fmt, size)  # as convert stores it (a source's g32 is kept)
+                    g = q.group_size if fmt == "int4" else None  # g64 where 128 does not divide K
+                    seen.setdefault((fmt, g), LayerChoice(name, fmt, g, q.nbytes, output_error(w, q, h)))
                 options[name] = sorted(seen.values(), key=lambda c: -c.nbytes)
                 return w  # the layer runs in float: the next layers' figures are theirs alone
 

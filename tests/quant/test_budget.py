@@ -38,6 +38,8 @@ def test_plan_fits_mixes_precisions_and_is_stored(tmp_path: Path, capsys: pytest
     for name, choices in options.items():  # int8, g32, g64, g128: fewer bytes, more error
         assert [c.precision for c in choices] == ["int8", "int4 g32", "int4 g64", "int4 g128"], name
         assert [c.error for c in choices] == sorted(c.error for c in choices), name
+    # int8 is one fp32 scale per row, as the converter stores it (down_proj: N=128, K=256)
+    assert options["model.layers.0.mlp.down_proj.weight"][0].nbytes == 128 * 256 + 128 * 4
     budget = Budget(10**9, 64, 2, "int8").for_model(source.config)
     largest = choose(options, fixed, budget, source.config)
     assert {c.precision for c in largest.layers} == {"int8"}
