@@ -8,8 +8,10 @@ and the linear layers share what is left. Each linear is measured alone against 
 ``tr(dW H dW^T) / tr(W H W^T)`` with ``H = X^T X`` the Hessian of its real inputs X
 (quant.calibrate: the float model's activations, every other layer unquantized, so the figure
 is that layer's alone), and its bytes exactly as the quantized tensor stores them. Greedy:
-start with every layer at int8 and, while the plan does not fit, move the layer whose next
-cheaper choice costs the least error increase per byte saved; a budget that even all-g128
+start with every layer at its most accurate choice (choices beaten on both bytes and error are
+dropped: a source already on a 4-bit grid keeps g32 exactly, cheaper than int8) and, while the
+plan does not fit, move the layer whose next cheaper choice costs the least error increase per
+byte saved; a budget that even all-g128
 misses is refused with the shortfall and what the smallest plan needs. The plan is printed as a
 table and stored in the checkpoint's config.json (``edgeinfer_plan``), which the server
 checks against the machine at start (edgeinfer.worker.build).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,18 @@ def output_error(w: torch.Tensor, q: QuantizedTensor, h: torch.Tensor) -> float:
     return float(((d @ h) * d).sum() / ((w @ h) * w).sum().clamp(min=1e-30))
 
 
+def undominated(choices: Iterable[LayerChoice]) -> list[LayerChoice]:
+    """The choices no other beats on both bytes and error, most bytes first (so error rises
+    along the list). A source already on a 4-bit grid makes int4 g32 exact and smaller than
+    int8, which re-rounds it: int8 then has no place in the plan."""
+    ordered = sorted(choices, key=lambda c: (c.nbytes, c.error))
+    kept: list[LayerChoice] = []
+    for c in ordered:  # fewest bytes first: keep one only if it is more accurate than all smaller
+        if not kept or c.error < kept[-1].error:
+            kept.append(c)
+    return kept[::-1]
+
+
 def choose(options: dict[str, list[LayerChoice]], fixed_bytes: int, budget: Budget, config: ModelConfig) -> Plan:
     """Greedy: every layer at its first (most precise) option, then the cheapest error per byte
     saved moves first, until weights + KV fit ``budget``; ValueError with the figures if even
@@ -177,7 +191,7 @@ def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib
                     q = convert_weight(layer[name], fmt, size)  # as convert stores it (a source's g32 is kept)
                     g = q.group_size if fmt == "int4" else None  # g64 where 128 does not divide K
                     seen.setdefault((fmt, g), LayerChoice(name, fmt, g, q.nbytes, output_error(w, q, h)))
-                options[name] = sorted(seen.values(), key=lambda c: -c.nbytes)
+                options[name] = undominated(seen.values())
                 return w  # the layer runs in float: the next layers' figures are theirs alone
 
             calibrator.run_layer(index, olds, alone)

@@ -15,7 +15,7 @@ from edgeinfer.cli.quantize import quantize_main
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.loader import load_model
 from edgeinfer.worker.build import build_runners
-from quant.budget import Budget, choose, measure, output_error
+from quant.budget import Budget, LayerChoice, choose, measure, output_error, undominated
 from quant.checkpoint import load_checkpoint
 from quant.convert import ConvertOptions
 from quant.formats import quantize_int4
@@ -29,6 +29,15 @@ def test_output_error_is_the_layers_output_error() -> None:
     q = quantize_int4(w, 32)
     want = ((x @ w.double().T - x @ q.dequantize().double().T) ** 2).sum() / ((x @ w.double().T) ** 2).sum()
     assert output_error(w, q, x.T @ x) == pytest.approx(float(want), rel=1e-9)
+
+
+def test_choices_beaten_on_bytes_and_error_are_dropped() -> None:
+    """A 4-bit source: g32 keeps its grid exactly (error 0) in fewer bytes than int8 re-rounds it;
+    g64 re-rounded costs what g32 does with more error."""
+    c = {p: LayerChoice("w", *p, nbytes=b, error=e) for p, b, e in
+         [(("int8", None), 1000, 1e-5), (("int4", 32), 625, 0.0), (("int4", 64), 625, 3e-3),
+          (("int4", 128), 562, 4e-3)]}
+    assert undominated(c.values()) == [c["int4", 32], c["int4", 128]]
 
 
 def test_plan_fits_mixes_precisions_and_is_stored(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
