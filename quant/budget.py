@@ -152,7 +152,7 @@ def choose(options: dict[str, list[LayerChoice]], fixed_bytes: int, budget: Budg
         raise ValueError(
             f"--budget {budget.total_bytes / MB:,.2f} MB cannot be met: it is "
             f"{(smallest.total_bytes - budget.total_bytes) / MB:,.2f} MB short of the smallest plan (every linear "
-            f"int4 g128, g64 where 128 does not divide K): weights {smallest.weight_bytes / MB:,.2f} MB + KV "
+            f"at its fewest bytes): weights {smallest.weight_bytes / MB:,.2f} MB + KV "
             f"{kv / MB:,.2f} MB for {budget.context} tokens x {budget.parallel} ({budget.kv_dtype}) = "
             f"{smallest.total_bytes / MB:,.2f} MB; lower --ctx or "
             "--parallel, or use --kv-dtype int8")
