@@ -3,6 +3,7 @@
 Layout of a checkpoint folder::
 
     config.json            ModelConfig fields + "edgeinfer_format": {"name": "edgeinfer", "version": 1}
+                           (+ "edgeinfer_plan": a budget plan, quant.budget)
     tokenizer.json         (+ tokenizer_config.json, generation_config.json, chat_template.jinja)
                            via Tokenizer.save
     model.safetensors      every tensor; its __metadata__ holds "format": "edgeinfer",
@@ -228,9 +229,11 @@ def save_checkpoint(
     weight_names: list[str],
     *,
     force: bool = False,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint atomically. ``weights`` may be a generator (consumed once, streamed);
-    ``weight_names`` lists every name it will yield (used to reserve the header)."""
+    ``weight_names`` lists every name it will yield (used to reserve the header); ``extra_config``
+    adds keys to config.json (a budget plan: "edgeinfer_plan")."""
     dst = check_destination(dst, force)
     _remove_stale(dst)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
@@ -244,6 +247,7 @@ def save_checkpoint(
         config_data = {
             **config.to_dict(),
             "edgeinfer_format": {"name": FORMAT_NAME, "version": FORMAT_VERSION},
+            **(extra_config or {}),
         }
         (tmp / "config.json").write_text(json.dumps(config_data, indent=1))
         tokenizer.save(tmp)

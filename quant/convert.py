@@ -37,14 +37,12 @@ from typing import Any
 
 import torch
 
-from edgeinfer.config import ModelConfig
-from edgeinfer.models.tokenizer import Tokenizer
-from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
 from quant.checkpoint import check_destination, save_checkpoint
 from quant.corpus import CALIB_TEXT
 from quant.formats import GROUP_SIZES, QuantizedTensor, quantize_int4, quantize_int8
-from quant.gguf_import import ModelFileError, check_weights, require_gguf_file
+from quant.gguf_import import ModelFileError
 from quant.nf4 import quantize_nf4
+from quant.sources import Source, open_source
 from quant.weight_error import dense, relative_error
 
 Weight = torch.Tensor | QuantizedTensor
@@ -54,7 +52,7 @@ EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 DEFAULT_GROUP = {"int4": 32, "nf4": 64, "int8": None}
 _PLAIN = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -69,6 +67,9 @@ class ConvertOptions:
     force: bool = False
     verbose: bool = False
     fp16_scales: bool = False  # int4/int8 scales and mins as fp16 values (GGUF export: exact Q4_1 / Q8_0)
+    ct_layout: bool = False  # compressed-tensors export: int4 integer zero points, fp16 plain tensors (exact)
+    precisions: tuple[tuple[str, str, int | None], ...] = ()  # (name, format, group) per linear: a budget plan
+    plan: str = ""  # the budget plan as JSON, stored in config.json as "edgeinfer_plan" (quant.budget)
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -96,19 +97,6 @@ class ConvertOptions:
 
 
 @dataclass
-class Source:
-    """A model to convert, read one tensor at a time."""
-
-    kind: str  # "gguf" | "hf" | "bnb4"
-    path: Path
-    config: ModelConfig
-    tokenizer: Tokenizer
-    names: list[str]
-    load: Callable[[str], Weight]
-    four_bit: tuple[str, ...] = ()  # the 4-bit types the source's weights are stored in, if any
-
-
-@dataclass
 class ConvertReport:
     dst: Path
     errors: dict[str, float] = field(default_factory=dict)  # relative Frobenius error per weight
@@ -116,107 +104,15 @@ class ConvertReport:
     seconds: float = 0.0
 
 
-def open_source(path: str | Path) -> Source:
-    """Open SRC (GGUF file or HF folder) without reading its tensors."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"source model not found: {path}")
-    if path.is_file():
-        require_gguf_file(path)
-        source = _open_gguf(path)
-    else:
-        source = _open_hf(path)
-    check_weights(dict.fromkeys(source.names), source.config, str(path))
-    return source
-
-
-def _open_gguf(path: Path) -> Source:
-    from gguf import GGMLQuantizationType
-
-    from quant.gguf_import import open_gguf_model
-
-    gguf = open_gguf_model(path)
-    tokenizer = tokenizer_from_gguf(gguf.tokenizer_metadata)
-    types = {GGMLQuantizationType(t.ggml_type).name for t in gguf.tensors.values()}
-    four_bit = tuple(sorted(t for t in types if t.startswith(("Q4", "IQ4", "Q3", "Q2", "IQ3", "IQ2", "IQ1"))))
-    return Source("gguf", path, gguf.config, tokenizer, list(gguf.tensors), gguf.load, four_bit)
-
-
-_BNB_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state")
-
-
-def _open_hf(folder: Path) -> Source:
-    from safetensors import SafetensorError, safe_open
-
-    from quant.hf_import import read_hf_config
-
-    config = read_hf_config(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    qcfg = raw.get("quantization_config") or {}
-    kind = "hf"
-    if qcfg:
-        if qcfg.get("quant_method") != "bitsandbytes" or not qcfg.get("load_in_4bit"):
-            raise ModelFileError(
-                f"{folder}: quantization_config {qcfg.get('quant_method')!r} "
-                f"(load_in_4bit={qcfg.get('load_in_4bit')}) is not supported; "
-                "edgeinfer converts plain and bitsandbytes 4-bit checkpoints"
-            )
-        kind = "bnb4"
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(f"{folder} has no .safetensors weights (pickle checkpoints are never loaded)")
-    handles: dict[str, Any] = {}
-    try:
-        for file in files:
-            handle = safe_open(str(file), framework="pt")
-            handles.update(dict.fromkeys(handle.keys(), handle))
-    except (SafetensorError, OSError) as exc:
-        raise ModelFileError(f"{folder}: {exc} (truncated or corrupt safetensors?)") from exc
-    is_part = lambda key: any(f".weight.{p}" in key for p in _BNB_PARTS)  # noqa: E731
-    names = [key for key in handles if not is_part(key)]
-
-    def get(key: str) -> torch.Tensor:
-        try:
-            return handles[key].get_tensor(key)
-        except SafetensorError as exc:
-            raise ModelFileError(f"{folder}: tensor {key} cannot be read (truncated?): {exc}") from exc
-
-    def load(name: str) -> Weight:
-        if f"{name}.absmax" in handles:
-            return _dequantize_bnb4(
-                folder,
-                name,
-                {k[len(name) + 1 :]: get(k) for k in handles if k.startswith(f"{name}.")},
-                get(name),
-            )
-        t = get(name)
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ModelFileError(f"{folder}: tensor {name} has unsupported dtype {t.dtype}")
-        return t
-
-    return Source(kind, folder, config, Tokenizer.from_folder(folder), names, load, ("nf4",) if kind == "bnb4" else ())
-
-
-def _dequantize_bnb4(
-    folder: Path, name: str, parts: dict[str, torch.Tensor], packed: torch.Tensor
-) -> torch.Tensor:
-    from quant.nf4 import bitsandbytes_available
-
-    if not bitsandbytes_available():
-        raise ModelFileError(
-            f"{folder} is a bitsandbytes 4-bit checkpoint; install bitsandbytes "
-            "(pip install 'edgeinfer[nf4]') to convert it"
-        )
-    import bitsandbytes.functional as bnbf
-
-    state = bnbf.QuantState.from_dict(parts, device=torch.device("cpu"))
-    return bnbf.dequantize_4bit(packed, state).float()
-
-
 def target_format(name: str, ndim: int, opts: ConvertOptions) -> tuple[str, int | None]:
     """(format, group size) for one weight; "keep" copies the source format. See module docstring."""
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in opts.skip):
         return "keep", None
+    for planned, fmt, group in opts.precisions:
+        if planned == name:
+            return fmt, group
+    if opts.ct_layout and (ndim != 2 or name in (EMBED, LM_HEAD)):
+        return "fp16", None  # what vLLM runs in fp16: the same numbers
     if ndim != 2:
         return "fp32", None
     if name in (EMBED, LM_HEAD):
@@ -257,9 +153,12 @@ def effective_group(group_size: int | None, k: int) -> int:
     raise ModelFileError(f"no group size <= {group_size} divides K={k}; choose another --group-size")
 
 
-def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales: bool = False) -> Weight:
+def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales: bool = False,
+                   zero_points: bool = False) -> Weight:
     """Round-to-nearest conversion; a weight already in (fmt, group_size) is returned unchanged
-    (with ``fp16_scales`` only if its scales are fp16). ``fp16_scales``: see quant.fp16_groups."""
+    (with ``fp16_scales`` only if its scales are fp16). ``fp16_scales``: see quant.fp16_groups;
+    ``zero_points`` (compressed-tensors export): int4 with an integer zero point and fp16 scale
+    values, int8 with fp16 scales (quant.ctensors_codes), always re-rounded."""
     if fmt == "keep":
         return weight
     if fmt in _PLAIN:
@@ -268,9 +167,14 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales
         return dense(weight).to(_PLAIN[fmt])
     group = effective_group(group_size, weight.shape[1])
     if isinstance(weight, QuantizedTensor) and weight.format == fmt and weight.group_size == group and (
-            not fp16_scales or weight.scales.dtype == torch.float16):
+            not fp16_scales or weight.scales.dtype == torch.float16) and not zero_points:
         return weight
     w = dense(weight)
+    if fmt == "int4" and zero_points:
+        from quant.ctensors_codes import quantize_int4_zp
+
+        return quantize_int4_zp(w, group)
+    fp16_scales = fp16_scales or zero_points
     if fmt in ("int4", "int8") and fp16_scales:
         from quant.fp16_groups import quantize_int4_fp16, quantize_int8_fp16
 
@@ -282,12 +186,12 @@ def convert_weight(weight: Weight, fmt: str, group_size: int | None, fp16_scales
     return quantize_nf4(w, group)
 
 
-def _ordered(names: list[str]) -> list[list[str]]:
+def layer_groups(names: list[str]) -> list[list[str]]:
     """Names grouped: [embedding], layer 0, layer 1, ..., [everything else] (calibration order)."""
     layers: dict[int, list[str]] = {}
     rest = []
     for name in names:
-        m = _LAYER.match(name)
+        m = LAYER_NAME.match(name)
         if m:
             layers.setdefault(int(m.group(1)), []).append(name)
         elif name != EMBED:
@@ -333,20 +237,21 @@ def convert(
         return name, new
 
     def stream() -> Iterator[tuple[str, Weight]]:
-        for group in _ordered(source.names):
-            if calibrator is not None and group and _LAYER.match(group[0]):
+        for group in layer_groups(source.names):
+            if calibrator is not None and group and LAYER_NAME.match(group[0]):
                 yield from _calibrated_layer(group, source, opts, calibrator, emit, log)
                 continue
             for name in group:
                 old = source.load(name)
                 new = convert_weight(
                     old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts),
-                    opts.fp16_scales)
+                    opts.fp16_scales, opts.ct_layout)
                 if calibrator is not None and name == EMBED:
                     calibrator.set_embedding(dense(new))
                 yield emit(name, new, old)
 
-    save_checkpoint(dst, source.config, source.tokenizer, stream(), source.names, force=opts.force)
+    save_checkpoint(dst, source.config, source.tokenizer, stream(), source.names, force=opts.force,
+                    extra_config={"edgeinfer_plan": json.loads(opts.plan)} if opts.plan else None)
     report.seconds = time.perf_counter() - start
     errors = [e for n, e in report.errors.items() if report.formats[n] not in ("float32",)]
     if errors:
@@ -367,14 +272,15 @@ def _calibrated_layer(
 ) -> Iterator[tuple[str, Weight]]:
     from quant.calibrate import gptq_quantize
 
-    index = int(_LAYER.match(names[0]).group(1))
+    index = int(LAYER_NAME.match(names[0]).group(1))
     olds = {name: source.load(name) for name in names}
     if opts.calibrate.startswith("awq"):
         from quant.awq import scale_layer
 
         # The errors reported are then against the scaled weights, which the checkpoint holds.
         olds = scale_layer(source.config, index, olds, lambda w, linear: calibrator.layer_inputs(index, w, linear),
-                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts), opts.fp16_scales)),
+                           lambda w, name: dense(convert_weight(w, *target_format(name, 2, opts), opts.fp16_scales,
+                                                                opts.ct_layout)),
                            log if opts.verbose else None)
     news: dict[str, Weight] = {}
 
@@ -382,7 +288,7 @@ def _calibrated_layer(
         old = olds[name]
         fmt, group = target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2, opts)
         if hessian is None or fmt not in ("int4", "int8"):
-            news[name] = convert_weight(old, fmt, group, opts.fp16_scales)
+            news[name] = convert_weight(old, fmt, group, opts.fp16_scales, opts.ct_layout)
         else:
             news[name] = gptq_quantize(dense(old), hessian, fmt, effective_group(group, old.shape[1]),
                                        fp16_scales=opts.fp16_scales)

@@ -6,7 +6,8 @@ the config's ArchSpec, and anything else it asks for (an unknown RoPE scaling, b
 forward has no place for) is refused by name rather than approximated.
 
 Weights stay in the folder's dtype (fp16/bf16/fp32); names are already the HF names the model
-uses. Only safetensors are read: pickled .bin checkpoints are refused, never loaded.
+uses. A compressed-tensors folder's packed int4/int8 layers become QuantizedTensors
+(quant.ctensors_import), exactly. Only safetensors are read: pickled .bin checkpoints are refused, never loaded.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def llama3_freq_factors(theta: float, head_dim: int, factor: float, low_freq_fac
     return tuple(factors)
 
 
-def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -156,5 +157,22 @@ def load_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Ten
             weights.update(load_file(str(file)))
         except (SafetensorError, OSError) as exc:
             raise ModelFileError(f"{file} is not a readable safetensors file (truncated?): {exc}") from exc
+    qcfg = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    if qcfg:
+        weights = _dequantized(folder, qcfg, weights)
     check_weights(weights, config, str(folder))
     return config, weights
+
+
+def _dequantized(folder: Path, qcfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A compressed-tensors folder's packed layers as int4/int8 QuantizedTensors (exact); any
+    other quantization_config is refused by name."""
+    from quant.ctensors_import import ct_weight, is_ctensors, is_part, module_names
+
+    if not is_ctensors(qcfg):
+        raise ModelFileError(f"{folder}: quantization_config {qcfg.get('quant_method')!r} is served after "
+                             "`edgeinfer quantize` converts it (compressed-tensors folders are served directly)")
+    weights: dict[str, Any] = {k: v for k, v in tensors.items() if not is_part(k)}
+    for module in module_names(list(tensors)):
+        weights[f"{module}.weight"] = ct_weight(qcfg, module, tensors.__getitem__, tensors.__contains__, str(folder))
+    return weights

@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Any
 
-from edgeinfer.cli.options import HelpFormatter, add_log_level, setup_logging
-from edgeinfer.config import CPU_ACTIVATIONS, KV_DTYPES, LINEAR_PATHS, RuntimeConfig
+from edgeinfer.cli.options import HelpFormatter, add_log_level, memory_size, positive_int, setup_logging
+from edgeinfer.config import CPU_ACTIVATIONS, DEFAULT_CONTEXT, KV_DTYPES, LINEAR_PATHS, RuntimeConfig
 from edgeinfer.models.store import resolve_model
 from quant.corpus import EVAL_TEXT
 from quant.formats import GROUP_SIZES
@@ -29,7 +29,8 @@ def _quantize_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("src", help="GGUF file or HF-style folder (safetensors; bitsandbytes 4-bit detected), or its "
                    "name from `edgeinfer list`")
-    p.add_argument("dst", help="checkpoint folder (or, with --format gguf, file) to write, atomically")
+    p.add_argument("dst", help="checkpoint folder (or, with --format gguf, file; compressed-tensors, HF folder) "
+                   "to write, atomically")
     p.add_argument("--weights", required=True, choices=WEIGHT_FORMATS, help="format of the linear layers")
     p.add_argument(
         "--group-size",
@@ -51,9 +52,23 @@ def _quantize_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="keep weights whose name matches this fnmatch pattern in the source format (repeatable)",
     )
-    p.add_argument("--format", choices=("edgeinfer", "gguf"), default="edgeinfer",
+    p.add_argument("--format", choices=("edgeinfer", "gguf", "compressed-tensors"), default="edgeinfer",
                    help="edgeinfer checkpoint folder (default), or one GGUF file for llama.cpp / ollama "
-                        "(int4 as Q4_1, int8 as Q8_0, with fp16 scales so the file holds exactly these weights)")
+                        "(int4 as Q4_1, int8 as Q8_0, with fp16 scales so the file holds exactly these weights), "
+                        "or an HF folder in the compressed-tensors layout for vLLM / transformers (pack-quantized "
+                        "W4A16 with integer zero points, W8A16; fp16 scales and plain tensors: the same numbers)")
+    p.add_argument("--budget", type=memory_size, default=(None, None), metavar="SIZE",
+                   help="plan a precision per linear layer (int8, int4 g32/g64/g128) from each layer's measured "
+                        "error on calibration text so that weights + KV for --ctx x --parallel fit SIZE (1.5GB, "
+                        "800MiB); the plan is printed and stored in the checkpoint (--weights names the format "
+                        "of everything else)")
+    p.add_argument("--ctx", type=positive_int, default=None, metavar="TOKENS",
+                   help="with --budget: the longest sequence the server will hold (default: the model's "
+                        f"context, at most {DEFAULT_CONTEXT}, as `edgeinfer serve`)")
+    p.add_argument("--parallel", type=positive_int, default=RuntimeConfig.parallel, metavar="N",
+                   help="with --budget: full-length sequences the KV cache holds (default: %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16",
+                   help="with --budget: the KV cache format the server will use (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="overwrite an existing checkpoint at DST")
     add_log_level(p)  # info (-v) also prints each weight's format and relative error
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -104,10 +119,26 @@ def quantize_main(argv: list[str]) -> int:
             verbose=args.log_level in ("info", "debug"),
         )
         src, shown = str(resolve_model(args.src)), None if args.quiet else progress
-        if args.format == "gguf":
+        budget_bytes, fraction = args.budget
+        if fraction is not None:
+            raise ValueError("--budget takes bytes (1.5GB, 800MiB), not a share of memory")
+        if budget_bytes is None and (args.ctx, args.parallel, args.kv_dtype) != (None, RuntimeConfig.parallel, "fp16"):
+            raise ValueError("--ctx, --parallel and --kv-dtype size the KV cache of a --budget plan; give --budget")
+        if budget_bytes is not None and args.format != "edgeinfer":
+            raise ValueError(f"--budget writes an edgeinfer checkpoint (--format edgeinfer), not {args.format}")
+        if budget_bytes is not None:
+            from quant.budget import Budget, convert_to_budget
+
+            report, _ = convert_to_budget(src, args.dst, opts, Budget(budget_bytes, args.ctx, args.parallel,
+                                                                      args.kv_dtype), progress=shown)
+        elif args.format == "gguf":
             from quant.export_gguf import convert_to_gguf
 
             report = convert_to_gguf(src, args.dst, opts, progress=shown)
+        elif args.format == "compressed-tensors":
+            from quant.export_ctensors import convert_to_ctensors
+
+            report = convert_to_ctensors(src, args.dst, opts, progress=shown)
         else:
             report = convert(src, args.dst, opts, progress=shown)
     except (ValueError, OSError) as exc:  # ModelFileError / CheckpointError are ValueErrors

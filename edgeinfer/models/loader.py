@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,9 @@ class LoadedModel:
     weights: Mapping[str, torch.Tensor | QuantizedTensor]  # a GGUF's are read when first used
     tokenizer: Tokenizer | None  # None for synthetic models (edgeinfer.models.synthetic)
     source: str  # "gguf" | "hf" | "edgeinfer"
+    # A checkpoint planned to a memory budget (quant.budget): its weight and KV bytes, context,
+    # parallel sequences and KV dtype, which the server checks against the machine at start.
+    budget_plan: tuple[tuple[str, Any], ...] = ()
 
 
 def load_model(path: str | Path) -> LoadedModel:
@@ -46,7 +50,9 @@ def load_model(path: str | Path) -> LoadedModel:
         from quant.checkpoint import load_checkpoint
 
         config, weights = load_checkpoint(path)
-        return _with_stop_ids(config, weights, Tokenizer.from_folder(path), "edgeinfer")
+        plan = json.loads(config_path.read_text()).get("edgeinfer_plan") or {}
+        loaded = _with_stop_ids(config, weights, Tokenizer.from_folder(path), "edgeinfer")
+        return dataclasses.replace(loaded, budget_plan=tuple((k, v) for k, v in plan.items() if k != "layers"))
     from quant.hf_import import load_hf_folder
 
     config, weights = load_hf_folder(path)

@@ -17,10 +17,10 @@ import torch
 from edgeinfer.config import RuntimeConfig
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.loader import LoadedModel
-from edgeinfer.worker.device_memory import num_kv_blocks, worst_case_step_bytes
+from edgeinfer.worker.device_memory import available_memory_bytes, num_kv_blocks, worst_case_step_bytes
 from edgeinfer.worker.kv_calibration import calibration_ids
 from edgeinfer.worker.kv_pools import bytes_per_token, kv_pool
-from edgeinfer.worker.memory_plan import MemoryPlan, tensor_bytes
+from edgeinfer.worker.memory_plan import MemoryPlan, check_budget_plan, tensor_bytes
 from edgeinfer.worker.model_runner import ModelRunner
 from kernels.dispatch import choose_backend
 
@@ -66,7 +66,10 @@ def build_runners(loaded: LoadedModel, runtime: RuntimeConfig, step_tokens: int 
                   draft: LoadedModel | None = None) -> tuple[ModelRunner, ModelRunner | None]:
     """The serving runner, and the draft model's beside it when ``draft`` is given. Prepares the
     weights for the runtime's device and path, runs a worst-case step of ``step_tokens`` tokens
-    and ``step_seqs`` sampled rows (CUDA), then sizes the pools from what is left."""
+    and ``step_seqs`` sampled rows (CUDA), then sizes the pools from what is left. A checkpoint
+    planned to a memory budget that this machine cannot hold is refused before anything loads."""
+    check_budget_plan(dict(loaded.budget_plan), available_memory_bytes(resolve_device(runtime)),
+                      runtime.device)
     model = build_model(loaded, runtime, take_weights=True)
     draft_model = None
     if draft is not None:

@@ -63,3 +63,19 @@ def tensor_bytes(obj: Any) -> int:
         elif hasattr(item, "__dict__"):
             stack.extend(vars(item).values())
     return total
+
+
+def check_budget_plan(plan: dict[str, Any], available_bytes: int, device: str) -> None:
+    """Refuse, with the figures, a checkpoint planned to a memory budget (quant.budget's
+    "edgeinfer_plan": weights + KV for ctx x parallel) that the machine cannot hold."""
+    if not plan:
+        return
+    need = int(plan["weight_bytes"]) + int(plan["kv_bytes"])
+    if need > available_bytes:
+        raise ValueError(
+            f"this checkpoint was planned for weights {int(plan['weight_bytes']) / MB:,.0f} MB + KV "
+            f"{int(plan['kv_bytes']) / MB:,.0f} MB ({plan['ctx']} tokens x {plan['parallel']}, {plan['kv_dtype']}) "
+            f"= {need / MB:,.0f} MB, but {available_bytes / MB:,.0f} MB are available ({device}); "
+            f"{(need - available_bytes) / MB:,.0f} MB short: plan it again with a smaller --budget, --ctx "
+            "or --parallel")
+

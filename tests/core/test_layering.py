@@ -16,7 +16,8 @@ MAX_LINES = 400
 LINE_BUDGETS = {"edgeinfer/core/scheduler.py": 300}
 
 # quant/ is two layers: the file formats (below models/) and the conversion tool (above worker/).
-QUANT_TOOL = {"quant/convert.py", "quant/calibrate.py", "quant/awq.py", "quant/export_gguf.py", "quant/perplexity.py"}
+QUANT_TOOL = {"quant/convert.py", "quant/calibrate.py", "quant/awq.py", "quant/export_gguf.py",
+              "quant/export_ctensors.py", "quant/perplexity.py", "quant/sources.py", "quant/budget.py"}
 
 # layer -> the layers its files may import (besides their own).
 ALLOWED = {
