@@ -56,8 +56,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else 0.0
 
 
-def prompt_ids(encode, stream: int, num_tokens: int) -> list[int]:  # noqa: ANN001
-    text = f"Story number {stream}. " + "Once upon a time, in a land far away, there lived a king. " * 64
+def prompt_ids(encode, key: str, num_tokens: int) -> list[int]:  # noqa: ANN001
+    """A prompt that no earlier one shares a prefix block with (``key`` differs per round and
+    stream), so neither edgeinfer's prefix cache nor llama-server's prompt cache helps."""
+    text = f"Story {key}. " + "Once upon a time, in a land far away, there lived a king. " * 64
     return list(encode(text)[:num_tokens])
 
 
@@ -82,7 +84,7 @@ async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespac
     start = time.perf_counter()
 
     async def one(i: int) -> None:
-        ids = tuple(prompt_ids(engine.tokenizer.encode, i, args.prompt_tokens))
+        ids = tuple(prompt_ids(engine.tokenizer.encode, f"{round_id}-{i}", args.prompt_tokens))
         request = GenerateRequest(f"{round_id}-{i}", prompt_token_ids=ids, params=params)
         async for event in engine.generate(request):
             if isinstance(event, Error):
@@ -112,7 +114,7 @@ async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float
 # --- HTTP servers: edgeinfer serve and llama-server, one client -----------------------------------
 
 async def http_round(base_url: str, headers: dict[str, str], num_streams: int, args: argparse.Namespace,
-                     encode, new_tokens: int | None = None) -> dict[str, float]:  # noqa: ANN001
+                     encode, round_id: str, new_tokens: int | None = None) -> dict[str, float]:  # noqa: ANN001
     done: list[tuple[float, float, int]] = []
     max_tokens = new_tokens or args.new_tokens
     async with httpx.AsyncClient() as client:
@@ -120,7 +122,8 @@ async def http_round(base_url: str, headers: dict[str, str], num_streams: int, a
     start = time.perf_counter()
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
-        body = {"model": model, "prompt": prompt_ids(encode, i, args.prompt_tokens), "max_tokens": max_tokens,
+        body = {"model": model, "prompt": prompt_ids(encode, f"{round_id}-{i}", args.prompt_tokens),
+                "max_tokens": max_tokens,
                 "temperature": 0.0, "stream": True, "ignore_eos": True, "cache_prompt": False,
                 "stream_options": {"include_usage": True}}
         sent = time.perf_counter()
@@ -129,14 +132,17 @@ async def http_round(base_url: str, headers: dict[str, str], num_streams: int, a
             if response.status_code != 200:
                 raise RuntimeError(f"{base_url}: {response.status_code} {(await response.aread())[:300]!r}")
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                # JSON is parsed only where needed: on 2 cores the client's own work slows the server.
+                if not line.startswith("data: {"):
                     continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    chunks += 1
-                    first = first or time.perf_counter()
+                if first is None or '"usage": {' in line or '"usage":{' in line:
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]["completion_tokens"]
+                    if not (chunk.get("choices") and chunk["choices"][0].get("text")):
+                        continue
+                chunks += 1
+                first = first or time.perf_counter()
         end = time.perf_counter()
         done.append((first - sent + (sent - start), end - start, usage or chunks))
 
@@ -169,7 +175,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_http(target: str, args: argparse.Namespace, encode) -> list[dict[str, float]]:  # noqa: ANN001
+def run_http(target: str, args: argparse.Namespace, encode, tag: str) -> list[dict[str, float]]:  # noqa: ANN001
     port, ctx, parallel = free_port(), args.prompt_tokens + args.new_tokens + 16, max(args.streams)
     threads = str(args.threads or os.cpu_count())
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,8 +199,8 @@ def run_http(target: str, args: argparse.Namespace, encode) -> list[dict[str, fl
             url = f"http://127.0.0.1:{port}"
 
             async def rounds() -> list[dict[str, float]]:
-                await http_round(url, headers, 1, args, encode, new_tokens=4)
-                return [await http_round(url, headers, n, args, encode) for n in args.streams]
+                await http_round(url, headers, 1, args, encode, f"{tag}-warmup", new_tokens=4)
+                return [await http_round(url, headers, n, args, encode, f"{tag}-n{n}") for n in args.streams]
 
             return anyio.run(rounds)
         finally:
@@ -291,7 +297,7 @@ def main() -> None:
             elif target == "llama-batched-bench":
                 rows = run_batched_bench(args)
             else:
-                rows = run_http(target, args, encode)
+                rows = run_http(target, args, encode, f"r{run}")
             results[target].append(rows)
             if args.json:
                 print(json.dumps({"target": target, "run": run, "rows": rows}), flush=True)
