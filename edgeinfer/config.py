@@ -14,7 +14,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
-CPU_ACTIVATIONS = ("int16", "int8")  # how the CPU kernels round activations (kernels.dispatch)
+CPU_ACTIVATIONS = ("int16", "int8", "int8x2")  # how the CPU kernels round activations (kernels.dispatch)
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 

@@ -41,6 +41,7 @@ class A8Weight:
     shape: tuple[int, int]  # (N, K)
     group_size: int
     int4: bool
+    terms: int = 1  # activations as 1 int8 term, or 2 (x and its rounding residual: int16-like accuracy)
 
     @property
     def nbytes(self) -> int:
@@ -56,8 +57,11 @@ def supports(weight: QuantizedTensor) -> bool:
     return (weight.format == "int4" and group % 32 == 0) or (weight.format == "int8" and group % 16 == 0)
 
 
-def prepare_a8(weight: QuantizedTensor) -> A8Weight:
-    """Re-lay a quant.formats int4 or int8 weight into 16-column tiles (N padded with zeros)."""
+def prepare_a8(weight: QuantizedTensor, terms: int = 1) -> A8Weight:
+    """Re-lay a quant.formats int4 or int8 weight into 16-column tiles (N padded with zeros), to
+    be run with activations in ``terms`` int8 terms (a8_linear)."""
+    if terms not in (1, 2):
+        raise ValueError(f"terms must be 1 or 2, got {terms}")
     if not supports(weight):
         raise ValueError(f"the int8-activation kernels need int4 (K, group multiples of 32) or int8 (K a multiple of "
                          f"32, group of 16) weights, got {weight.format} {weight.shape} group {weight.group_size}")
@@ -85,7 +89,7 @@ def prepare_a8(weight: QuantizedTensor) -> A8Weight:
         sums = weight.qweight.view(n, k // unit, unit).sum(-1, dtype=torch.int32).float()
         wsum = (F.pad(sums, (0, 0, 0, pad)).view(tiles, COLS, k // unit).transpose(1, 2) * -128).to(torch.int32)
         wsum = wsum.contiguous()  # |sums| <= 32 * 128: exact in fp32
-    return A8Weight(codes, per_tile(weight.scales), mins, wsum, (n, k), group, int4)
+    return A8Weight(codes, per_tile(weight.scales), mins, wsum, (n, k), group, int4, terms)
 
 
 def isa_supported(isa: str) -> bool:
@@ -110,7 +114,8 @@ def default_isa() -> str:
 
 
 def a8_linear(x: torch.Tensor, weight: A8Weight, isa: str | None = None) -> torch.Tensor:
-    """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 32)."""
+    """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 32; with
+    ``weight.terms`` 2, x's codes plus its rounding residual's codes, each a row of the GEMM)."""
     n, k = weight.shape
     return torch.ops.edgeinfer_cpu.a8_gemm(x, weight.codes, weight.scales, weight.mins, weight.wsum, n, k,
-                                           weight.group_size, weight.int4, isa or default_isa())
+                                           weight.group_size, weight.int4, isa or default_isa(), weight.terms)

@@ -166,7 +166,7 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   k_scales: Sequence[torch.Tensor] = (), v_scales: Sequence[torch.Tensor] = (),
                   k_zeros: Sequence[torch.Tensor] = (), v_zeros: Sequence[torch.Tensor] = (),
                   rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None,
-                  a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "") -> None:
+                  a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "", a8_terms: int = 1) -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
@@ -175,12 +175,13 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
     of QKV and of the output projection, the post-attention norm, then (codes, scales, mins) of
     gate/up and of down, each linear int4 or int8 with the group size its scales imply, or, with
     ``a8_isa`` (kernels.cpu_a8.ISAS), every linear a cpu_a8 weight run with int8 activations on
-    that kernel, its wsum in ``a8_wsums`` (``decode_layer_wsums``);
+    that kernel, its wsum in ``a8_wsums`` (``decode_layer_wsums``), activations in ``a8_terms``
+    int8 terms (kernels.cpu_a8.a8_linear);
     ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
-                                          key_centres, list(a8_wsums), a8_isa)
+                                          key_centres, list(a8_wsums), a8_isa, a8_terms)
 
 
 FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prepare_int8 or cpu_a8 weight

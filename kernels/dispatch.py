@@ -80,6 +80,7 @@ class Backend:
     # int4_cpu: quantized linears round activations to int8 per row (kernels.cpu_a8) instead of
     # int16 per 4 values; needs the C++ ops.
     int8_activations: bool = False
+    a8_terms: int = 1  # with int8_activations: 1 int8 term per activation, or 2 (kernels.cpu_a8)
 
     def __post_init__(self) -> None:
         if self.linear_path not in LINEAR_PATHS:
@@ -89,25 +90,27 @@ class Backend:
         if self.fused_step_max_tokens < 0 or (self.fused_step_max_tokens and not self.cpu_ops):
             raise ValueError(f"fused_step_max_tokens must be 0, or positive with the C++ CPU ops, got "
                              f"{self.fused_step_max_tokens} (cpu_ops={self.cpu_ops})")
+        if self.a8_terms not in (1, 2):
+            raise ValueError(f"a8_terms must be 1 or 2, got {self.a8_terms}")
         if self.int8_activations and not (self.cpu_ops and self.linear_path == "int4_cpu"):
             raise ValueError(f"int8 activations run on the int4_cpu linear path with the C++ CPU ops, not "
                              f"{self.linear_path} (cpu_ops={self.cpu_ops})")
 
 
 def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu",
-                   int8_activations: bool = False) -> Backend:
+                   int8_activations: bool = False, a8_terms: int = 1) -> Backend:
     """The backend for a requested linear path (RuntimeConfig.linear_path; "auto": Triton on CUDA,
     int4_cpu elsewhere) on ``device``, with the C++ ops wherever this machine runs them (on every
     linear path: the reference path's norms and attention are theirs too). ``int8_activations``
-    (RuntimeConfig.cpu_activations == "int8") applies where the int4_cpu path has the C++ ops and
-    is ignored elsewhere."""
+    (RuntimeConfig.cpu_activations "int8" or "int8x2", whose ``a8_terms`` is 2) applies where the
+    int4_cpu path has the C++ ops and is ignored elsewhere."""
     device = torch.device(device)
     if linear_path == "auto":
         linear_path = "triton" if device.type == "cuda" else "int4_cpu"
     native = device.type == "cpu" and cpu_ops.available()
     return Backend(device, linear_path, cpu_ops=native, triton=device.type == "cuda",
                    fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0,
-                   int8_activations=int8_activations and native and linear_path == "int4_cpu")
+                   int8_activations=int8_activations and native and linear_path == "int4_cpu", a8_terms=a8_terms)
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, backend: Backend) -> 
         return PreparedLinear("reference", weight.shape, None, dense=dense)
     if path == "int4_cpu":
         if backend.int8_activations and cpu_a8.supports(weight):
-            return PreparedLinear("a8_cpu", weight.shape, None, kernel=cpu_a8.prepare_a8(weight),
+            return PreparedLinear("a8_cpu", weight.shape, None, kernel=cpu_a8.prepare_a8(weight, backend.a8_terms),
                                   group_size=weight.group_size)
         if cpu_ops.supports_int8(weight) and backend.cpu_ops:
             return PreparedLinear("int8_cpu", weight.shape, cpu_ops.prepare_int8(weight), group_size=weight.group_size)

@@ -60,25 +60,30 @@ def int8_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tenso
     return (x.float() @ weight.dequantize(torch.float32).t()).to(x.dtype)
 
 
-def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, terms: int = 1) -> torch.Tensor:
     """fp32 (M, N): what kernels.cpu_a8 computes for an int4 or int8 weight. Each unit of U =
     min(group, 32) values of a row of x becomes int8 codes round(x / d), d = absmax / 127 (round
     half to even); each unit's integer dot with the weight codes is scaled by d and its group's
-    weight scale, and a weight's min term uses the exact group sums of x."""
+    weight scale, and a weight's min term uses the exact group sums of x. With ``terms`` 2 the
+    rounding residual x - d * codes is rounded the same way and its dots added (no min term)."""
     if weight.format not in ("int4", "int8"):
         raise ValueError(f"int8_activation_gemm_reference needs an int4 or int8 weight, got {weight.format!r}")
     n, k = weight.shape
     group = weight.group_size
     unit = min(group, 32)
     x2 = x.float().reshape(-1, k)
-    xu = x2.view(-1, k // unit, unit)
-    d = xu.abs().amax(dim=-1, keepdim=True) / 127
-    xq = torch.where(d > 0, torch.round(xu / d), torch.zeros_like(xu))
     codes = unpack_int4(weight.qweight) if weight.format == "int4" else weight.qweight
-    # Integer dots per unit in float64: exact.
-    dots = torch.einsum("mui,nui->mnu", xq.double(), codes.double().view(n, k // unit, unit))
     scales = weight.scales.double().repeat_interleave(group // unit, dim=1)  # (N, K / U)
-    y = (dots * scales * d.double().squeeze(-1)[:, None, :]).sum(-1)
+    y = torch.zeros(x2.shape[0], n, dtype=torch.float64)
+    term = x2
+    for _ in range(terms):
+        xu = term.view(-1, k // unit, unit)
+        d = xu.abs().amax(dim=-1, keepdim=True) / 127
+        xq = torch.where(d > 0, torch.round(xu / d), torch.zeros_like(xu))
+        # Integer dots per unit in float64: exact.
+        dots = torch.einsum("mui,nui->mnu", xq.double(), codes.double().view(n, k // unit, unit))
+        y = y + (dots * scales * d.double().squeeze(-1)[:, None, :]).sum(-1)
+        term = (xu - d * xq).view(-1, k)  # fp32, as the kernel forms the residual
     if weight.mins is not None:
         y = y + x2.double().view(-1, k // group, group).sum(-1) @ weight.mins.double().t()
     return y.float()

@@ -7,7 +7,7 @@ continuation, every step where the two paths' choices differ and its gap. Exact 
 (the checkpoint's own output layer), fp32 KV cache, so only the activation rounding differs.
 Perplexity is ``edgeinfer eval-ppl MODEL --linear-path int4_cpu --cpu-activations int8|int16``.
 
-    python tools/a8_accuracy.py [--model PATH] [--tokens 32] [--tie 0.05]
+    python tools/a8_accuracy.py [--activations int8|int8x2] [--model PATH] [--tokens 32] [--tie 0.05]
 """
 
 from __future__ import annotations
@@ -66,18 +66,20 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--tie", type=float, default=0.05, help="top-2 logit gap below which a choice is a near tie")
+    parser.add_argument("--activations", default="int8", choices=("int8", "int8x2"),
+                        help="the int8-activation mode judged against int16 (default: int8)")
     args = parser.parse_args()
     loaded = load_model(args.model or default_model_path())
     models = {a: build_model(loaded, RuntimeConfig(linear_path="int4_cpu", cpu_activations=a, exact_head=True))
-              for a in ("int16", "int8")}
+              for a in ("int16", args.activations)}
     failures = 0
     for text in PROMPTS:
         prompt = loaded.tokenizer.encode(text)
         reference = _greedy(models["int16"], prompt, args.tokens)
-        ours = _greedy(models["int8"], prompt, args.tokens)
+        ours = _greedy(models[args.activations], prompt, args.tokens)
         forced = {a: _logits(m, prompt + reference[:-1], args.tokens) for a, m in models.items()}
         differ = [(j, _gap(forced["int16"][j])) for j in range(args.tokens)
-                  if int(forced["int8"][j].argmax()) != reference[j]]
+                  if int(forced[args.activations][j].argmax()) != reference[j]]
         split = next((j for j, (a, b) in enumerate(zip(reference, ours, strict=True)) if a != b), None)
         verdict = "identical" if split is None else \
             f"part at token {split}, int16 top-2 gap {_gap(forced['int16'][split]):.3f}"

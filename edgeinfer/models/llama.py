@@ -318,6 +318,7 @@ class LlamaModel(LlamaLayers):
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
             tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
             a8_wsums=self.weights.fused_wsums, a8_isa=cpu_a8.default_isa() if self.weights.fused_wsums else "",
+            a8_terms=self.backend.a8_terms,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))
 

@@ -41,7 +41,8 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
     device = resolve_device(runtime)
     if runtime.num_threads:
         torch.set_num_threads(runtime.num_threads)
-    backend = choose_backend(runtime.linear_path, device, int8_activations=runtime.cpu_activations == "int8")
+    backend = choose_backend(runtime.linear_path, device, int8_activations=runtime.cpu_activations != "int16",
+                             a8_terms=2 if runtime.cpu_activations == "int8x2" else 1)
     # The quantized head with exact refinement only pays on the CPU int4 path.
     head_format = "int4" if backend.linear_path == "int4_cpu" and not runtime.exact_head else "same"
     return LlamaModel(loaded.config, loaded.weights, backend, head_format=head_format,

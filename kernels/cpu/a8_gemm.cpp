@@ -7,6 +7,11 @@
 // for int8 groups of 16; absmax / 127, round half to even) and its exact fp32 group sums (the
 // weight mins' term), then the weight's
 // column tiles are split over the threads and each tile runs through all M rows at once.
+// With two terms each row becomes two int8 rows, x's codes and the codes of its rounding residual
+// (x - scale * codes, again a scale per 32): the pair is exact to about 2^-15 of a block's
+// absmax, close to the int16 kernel's rounding, for twice the dot products (the kernel's cost
+// at small M is the weight unpack, shared by the rows). The residual row's group sums are 0:
+// the mins' term uses x's exact sums once.
 // Unlike the int16 kernel (quantized_gemm.cpp), a block's dot product for 4 rows costs one
 // vpdpbusd per 4 weights and row instead of cvt + scale + FMA per row, so wide batches become
 // compute-cheap; the int16 kernel stays the accuracy reference.
@@ -43,9 +48,10 @@ bool isa_supported(const std::string& isa) {
 }
 
 // One row of x (K values) -> int8 codes with a scale per unit of `unit` values (absmax / 127,
-// round half to even) and, where wanted, the exact group sums.
+// round half to even) and, where wanted, the exact group sums; with `residual`, x - scale * codes
+// per value (the next term's input).
 void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t* codes, float* scale,
-                  float* group_sums) {
+                  float* group_sums, float* residual = nullptr) {
   for (int64_t u = 0; u < k / unit; ++u) {
     const float* xu = x + u * unit;
     float amax = 0.0f;
@@ -53,6 +59,9 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
     const float d = amax / 127.0f;
     scale[u] = d;
     for (int64_t i = 0; i < unit; ++i) codes[u * unit + i] = d > 0.0f ? static_cast<int8_t>(std::nearbyint(xu[i] / d)) : 0;
+    if (residual != nullptr) {
+      for (int64_t i = 0; i < unit; ++i) residual[u * unit + i] = xu[i] - d * codes[u * unit + i];
+    }
   }
   if (group_sums == nullptr) return;
   for (int64_t g = 0; g < k / group; ++g) {
@@ -65,7 +74,7 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
 // The op: checks, then a8_gemm_rows.
 at::Tensor a8_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& mins_in, const c10::optional<at::Tensor>& wsum_in, int64_t n,
-                   int64_t k, int64_t group, bool int4, const std::string& isa) {
+                   int64_t k, int64_t group, bool int4, const std::string& isa, int64_t terms) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be (M, ", k, "), got ", x_in.sizes());
   const at::Tensor mins = mins_in.has_value() ? *mins_in : at::Tensor();
   const at::Tensor wsum = wsum_in.has_value() ? *wsum_in : at::Tensor();
@@ -73,7 +82,8 @@ at::Tensor a8_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Te
               "the weight's tiles do not match group ", group, int4 ? " int4" : " int8");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), n}, x.options());
-  edgeinfer_cpu::a8_gemm_rows(x.data_ptr<float>(), x.size(0), codes, scales, mins, wsum, n, k, isa, y.data_ptr<float>());
+  edgeinfer_cpu::a8_gemm_rows(x.data_ptr<float>(), x.size(0), codes, scales, mins, wsum, n, k, isa, y.data_ptr<float>(),
+                              terms);
   return y;
 }
 
@@ -98,8 +108,9 @@ int64_t edgeinfer_cpu::a8_group(const at::Tensor& codes, const at::Tensor& scale
 
 void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
                                  const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k,
-                                 const std::string& isa, float* y) {
+                                 const std::string& isa, float* y, int64_t terms) {
   TORCH_CHECK(isa_supported(isa), "this CPU cannot run the ", isa, " kernel");
+  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2, got ", terms);
   const int64_t group = a8_group(codes, scales, n, k, "w");
   const bool int4 = codes.scalar_type() == at::kByte;
   const bool has_mins = mins.defined() && mins.numel() > 0;
@@ -114,33 +125,47 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
               "int8 weights need wsum, int32 (tiles, K / min(group, 32), 16)");
   if (m == 0 || n == 0) return;
   const int64_t groups = k / group;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> x_scale(m * (k / unit));
-  std::vector<float> x_gsum(has_mins ? m * groups : 0);
+  const int64_t rows = m * terms;  // with two terms, row 2r is x[r]'s codes and 2r + 1 its residual's
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> x_scale(rows * (k / unit));
+  std::vector<float> x_gsum(has_mins ? rows * groups : 0, 0.0f);
+  std::vector<float> residual(terms == 2 ? m * k : 0);
+  std::vector<float> y_terms(terms == 2 ? rows * n : 0);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      quantize_row(x + r * k, k, unit, group, xq.data() + r * k, x_scale.data() + r * (k / unit),
-                   has_mins ? x_gsum.data() + r * groups : nullptr);
-      if (offset_x) {
-        for (int64_t i = r * k; i < (r + 1) * k; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);  // + 128 as uint8
+      for (int64_t t = 0; t < terms; ++t) {
+        const int64_t row = r * terms + t;
+        float* res = terms == 2 ? residual.data() + r * k : nullptr;
+        quantize_row(t == 0 ? x + r * k : res, k, unit, group, xq.data() + row * k, x_scale.data() + row * (k / unit),
+                     has_mins && t == 0 ? x_gsum.data() + row * groups : nullptr, t == 0 ? res : nullptr);
+        if (offset_x) {
+          for (int64_t i = row * k; i < (row + 1) * k; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);  // + 128
+        }
       }
     }
   });
+  float* out = terms == 2 ? y_terms.data() : y;
   const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
                     has_mins ? mins.data_ptr<float>() : nullptr, offset_x ? wsum.data_ptr<int32_t>() : nullptr,
                     reinterpret_cast<const uint8_t*>(xq.data()), x_scale.data(),
-                    has_mins ? x_gsum.data() : nullptr, y, m, n, k, group, int4};
+                    has_mins ? x_gsum.data() : nullptr, out, rows, n, k, group, int4};
   const Kernel kernel = isa == "avx512vnni" ? a8_columns_avx512vnni
                         : isa == "avxvnni"  ? a8_columns_avxvnni
                                             : a8_columns_avx2;
   // Tiles of 16 columns over the threads; several chunks per thread so uneven cores even out.
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { kernel(p, t0, t1); });
+  if (terms == 2) {
+    for (int64_t r = 0; r < m; ++r) {
+      const float* a = out + 2 * r * n;
+      for (int64_t j = 0; j < n; ++j) y[r * n + j] = a[j] + a[n + j];
+    }
+  }
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("a8_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? wsum, int n, int k, int group_size, "
-        "bool int4, str isa) -> Tensor");
+        "bool int4, str isa, int terms=1) -> Tensor");
   m.def("a8_isa_supported(str isa) -> bool", &a8_isa_supported);  // no tensors: one kernel for all keys
 }
 

@@ -179,7 +179,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
                    at::TensorList k_scales, at::TensorList v_scales, at::TensorList k_zeros, at::TensorList v_zeros,
                    const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
-                   at::TensorList a8_wsums, const std::string& a8_isa) {
+                   at::TensorList a8_wsums, const std::string& a8_isa, int64_t a8_terms) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -286,7 +286,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   const auto linear = [&](const at::TensorList& w, int64_t l, int64_t j, int64_t at, const float* in, int64_t n,
                           int64_t k, float* out) {
     if (a8) {
-      edgeinfer_cpu::a8_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], a8_wsums[4 * l + j], n, k, a8_isa, out);
+      edgeinfer_cpu::a8_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], a8_wsums[4 * l + j], n, k, a8_isa, out,
+                                  a8_terms);
     } else {
       edgeinfer_cpu::quantized_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], group[4 * l + j], out);
     }
@@ -361,7 +362,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] weights, Tensor cos, Tensor signed_sin, "
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
-        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa) -> ()");
+        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -64,6 +64,22 @@ def test_a8_gemm_matches_reference(isa, fmt, n, k, group, m):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("fmt,group,mins", [("int4", 32, True), ("int4", 64, True), ("int8", 16, True),
+                                            ("int8", 32, False)])
+@pytest.mark.parametrize("m", [1, 3, 10])
+def test_two_term_activations_match_reference_and_come_near_the_exact_product(isa, fmt, group, mins, m):
+    weight = _weight(fmt, 45, 576, group, seed=m + group, mins=mins)
+    x = _x(m, 576, seed=m + 7)
+    out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight, terms=2), isa)
+    reference = int8_activation_gemm_reference(x, weight, terms=2)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
+    exact = (int4_gemm_reference if fmt == "int4" else int8_gemm_reference)(x, weight)
+    one_term = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight), isa)
+    two, one = float((out - exact).norm() / exact.norm()), float((one_term - exact).norm() / exact.norm())
+    assert two < 1e-3 and two < one / 20  # the residual's codes take the error from ~1% to ~0.01%
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("group,mins", [(16, False), (16, True), (32, True), (128, False)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_a8_gemm_int8_groups_and_mins(isa, group, mins, scale_dtype):

@@ -320,9 +320,11 @@ def test_rope_tables_stop_at_the_planned_context() -> None:
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: bool) -> None:
-    """With int8 activations (kernels.cpu_a8) the fused step runs the a8 kernels for int4 and int8
-    linears (g16, g32 with mins) and matches the per-op forward on the same kernels."""
+@pytest.mark.parametrize("terms", [1, 2])
+def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: bool, terms: int) -> None:
+    """With int8 activations (kernels.cpu_a8, in one term or two) the fused step runs the a8
+    kernels for int4 and int8 linears (g16, g32 with mins) and matches the per-op forward on the
+    same kernels."""
     weights = dict(loaded.weights)
     if mixed:
         for i in range(CONFIG.num_layers):
@@ -330,7 +332,7 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
             weights[p + "mlp.down_proj.weight"] = _gguf_like_int8(weights[p + "mlp.down_proj.weight"], 16, False, i)
             weights[p + "self_attn.o_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.o_proj.weight"], 32, True,
                                                                      i)
-    backend = choose_backend("int4_cpu", "cpu", int8_activations=True)
+    backend = choose_backend("int4_cpu", "cpu", int8_activations=True, a8_terms=terms)
     a8 = LlamaModel(loaded.config, weights, backend)
     assert a8.fused_steps and len(a8.weights.fused_wsums) == 4 * CONFIG.num_layers
     per_op = LlamaModel(loaded.config, weights, dataclasses.replace(backend, fused_step_max_tokens=0))
@@ -349,4 +351,5 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
     # the next GEMM's input then moves a whole code step (1/127 of its block's largest value), so
     # single logits may differ by a few percent: the bound is on the whole. A wiring mistake (a
     # linear's weights, wsum or group) moves every logit by its own size.
-    assert float((fused - reference).norm() / reference.norm()) < 0.03
+    # Two terms leave boundary flips a code step of the residual: 2^-7 of the above.
+    assert float((fused - reference).norm() / reference.norm()) < (0.03 if terms == 1 else 1e-3)

@@ -10,17 +10,22 @@ docs/PROTOCOL.md would, not through transport.client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
+from edgeinfer.config import RuntimeConfig
 from transport.server import Server, ServerConfig
+from transport.service import open_engine
 
 TOKEN = "test-token-0123456789abcdef"
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the default model's served name
 
 
 class LiveServer:
@@ -122,3 +127,14 @@ def check_life_cycles(frames: list[dict[str, Any]], num_generates: dict[str, int
             raise AssertionError(f"unexpected frame {frame}")
     assert not in_flight, f"requests never ended: {sorted(in_flight)}"
     assert ended == {k: v for k, v in num_generates.items() if v}, (ended, num_generates)
+
+
+def serve_model(model_path: str | Path, runtime: RuntimeConfig | None = None) -> LiveServer:
+    """A LiveServer of the real engine on ``model_path``, as `edgeinfer serve` opens it."""
+
+    @contextlib.asynccontextmanager
+    async def engine() -> AsyncIterator[Any]:
+        async with open_engine(str(model_path), runtime or RuntimeConfig()) as (opened, _):
+            yield opened
+
+    return LiveServer(engine, model_name=MODEL)

@@ -4,36 +4,26 @@ live server on the default model, and by raw httpx for every error shape."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from echo_engine import EchoEngine
-from live_server import TOKEN, LiveServer
+from live_server import MODEL, TOKEN, LiveServer, serve_model
 
-from edgeinfer.config import RuntimeConfig
 from edgeinfer.core.events import Health
 from transport.server import Server, ServerConfig
-from transport.service import open_engine
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TIMEOUT_S = 120.0  # a loaded 2-core test machine can take seconds per token
 
 
 @pytest.fixture(scope="module")
 def live(default_model_path):  # noqa: ANN001, ANN201
-    @contextlib.asynccontextmanager
-    async def engine() -> AsyncIterator[Any]:
-        async with open_engine(str(default_model_path), RuntimeConfig()) as (opened, _):
-            yield opened
-
-    server = LiveServer(engine, model_name=MODEL)
+    server = serve_model(default_model_path)
     yield server
     server.close()
 

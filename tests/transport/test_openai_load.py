@@ -7,19 +7,15 @@ default one runs 16 clients of 4 tokens, to stay fast on a 2-core machine."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
-from live_server import TOKEN, LiveServer
+from live_server import MODEL, TOKEN, LiveServer, serve_model
 
 from edgeinfer.config import RuntimeConfig
-from transport.service import open_engine
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ["Name a colour.", "Count to five.", "What is rain?", "Say hello in French.",
            "Describe a cat.", "Why is the sky blue?", "Give me a fruit.", "What is 2 + 2?"]
 KV_MEMORY_BYTES = 48 << 20  # room for ~2k tokens: the 64 streams share it (prefix cache, preemption)
@@ -28,12 +24,7 @@ TIMEOUT_S = 900.0  # a loaded 2-core machine
 
 @pytest.fixture(scope="module")
 def live(default_model_path):  # noqa: ANN001, ANN201
-    @contextlib.asynccontextmanager
-    async def engine() -> AsyncIterator[Any]:
-        async with open_engine(str(default_model_path), RuntimeConfig(kv_memory_bytes=KV_MEMORY_BYTES)) as (opened, _):
-            yield opened
-
-    server = LiveServer(engine, model_name=MODEL)
+    server = serve_model(default_model_path, RuntimeConfig(kv_memory_bytes=KV_MEMORY_BYTES))
     yield server
     server.close()
 

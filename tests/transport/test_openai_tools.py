@@ -8,9 +8,7 @@ the tool's schema), a tool-calling history through the template, and the API key
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -18,13 +16,10 @@ import jsonschema
 import openai
 import pytest
 from echo_engine import EchoEngine
-from live_server import TOKEN, LiveServer
+from live_server import MODEL, TOKEN, LiveServer, serve_model
 
-from edgeinfer.config import RuntimeConfig
 from transport.server import Server, ServerConfig
-from transport.service import open_engine
 
-MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TIMEOUT_S = 1200.0  # a loaded 2-core machine: guided decoding of 20 requests takes minutes
 TOOLS = [
     {"type": "function", "function": {
@@ -118,12 +113,7 @@ def test_api_key_is_validated_as_the_user_typed_it(tmp_path: Any, monkeypatch: p
 
 @pytest.fixture(scope="module")
 def live(default_model_path):  # noqa: ANN001, ANN201
-    @contextlib.asynccontextmanager
-    async def engine() -> AsyncIterator[Any]:
-        async with open_engine(str(default_model_path), RuntimeConfig()) as (opened, _):
-            yield opened
-
-    server = LiveServer(engine, model_name=MODEL)
+    server = serve_model(default_model_path)
     yield server
     server.close()
 
