@@ -105,7 +105,7 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
     p.add_argument("--cpu-activations", default=RuntimeConfig.cpu_activations, choices=CPU_ACTIVATIONS,
                    help="how the CPU int4/int8 kernels round activations: int16 per 4 values (the accuracy "
                         "reference), int8 per 32 (VNNI GEMMs: fastest, +0.5%% perplexity) or int8x2 (x and its "
-                        "rounding residual in int8: the VNNI GEMMs at int16's accuracy) (default: %(default)s)")
+                        "rounding residual in int8: int16's accuracy through the VNNI GEMMs) (default: %(default)s)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
                    help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")
