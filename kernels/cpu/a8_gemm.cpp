@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -49,18 +50,30 @@ bool isa_supported(const std::string& isa) {
 
 // One row of x (K values) -> int8 codes with a scale per unit of `unit` values (absmax / 127,
 // round half to even) and, where wanted, the exact group sums; with `residual`, x - scale * codes
-// per value (the next term's input).
+// per value (the next term's input). AVX2, 8 values at a time (a unit is 16 or 32 values): the
+// same IEEE division, rounding and products as the scalar form and the torch reference, so the
+// codes are theirs bit for bit; scalar, this loop cost about a tenth of a 16-row decode step.
 void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t* codes, float* scale,
                   float* group_sums, float* residual = nullptr) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t u = 0; u < k / unit; ++u) {
     const float* xu = x + u * unit;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < unit; ++i) amax = std::max(amax, std::fabs(xu[i]));
-    const float d = amax / 127.0f;
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < unit; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xu + i)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float d = _mm_cvtss_f32(h) / 127.0f;
     scale[u] = d;
-    for (int64_t i = 0; i < unit; ++i) codes[u * unit + i] = d > 0.0f ? static_cast<int8_t>(std::nearbyint(xu[i] / d)) : 0;
-    if (residual != nullptr) {
-      for (int64_t i = 0; i < unit; ++i) residual[u * unit + i] = xu[i] - d * codes[u * unit + i];
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int64_t i = 0; i < unit; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(xu + i);
+      const __m256 q = d > 0.0f ? _mm256_round_ps(_mm256_div_ps(xv, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                : _mm256_setzero_ps();
+      const __m256i qi = _mm256_cvtps_epi32(q);
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + u * unit + i), _mm_packs_epi16(w16, w16));
+      if (residual != nullptr) _mm256_storeu_ps(residual + u * unit + i, _mm256_sub_ps(xv, _mm256_mul_ps(vd, q)));
     }
   }
   if (group_sums == nullptr) return;
