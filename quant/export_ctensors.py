@@ -35,9 +35,9 @@ import torch
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer
 from quant.checkpoint import check_writable_folder, load_checkpoint
-from quant.convert import ConvertOptions, ConvertReport, convert
+from quant.convert import ConvertOptions, ConvertReport
 from quant.ctensors_codes import Codes, NotRepresentable, to_codes
-from quant.export_gguf import remove_stale
+from quant.export_gguf import convert_then_export, remove_stale
 from quant.formats import QuantizedTensor
 from quant.gguf_import import ModelFileError
 from quant.weight_error import dense
@@ -194,12 +194,4 @@ def convert_to_ctensors(src: str | Path, dst: str | Path, opts: ConvertOptions,
     if opts.calibrate and opts.calibrate.endswith("gptq"):
         raise ValueError(f"--calibrate {opts.calibrate} with --format compressed-tensors is not supported (GPTQ "
                          "here rounds against a real-valued min); use --calibrate awq or none")
-    remove_stale(dst_path)
-    ckpt = dst_path.parent / f".{dst_path.name}.ckpt-{os.getpid()}"
-    try:
-        report = convert(src, ckpt, replace(opts, ct_layout=True, force=True), progress, log)
-        export_ctensors(ckpt, dst_path, force=opts.force, log=log)
-    finally:
-        shutil.rmtree(ckpt, ignore_errors=True)
-    report.dst = dst_path
-    return report
+    return convert_then_export(src, dst_path, replace(opts, ct_layout=True), export_ctensors, progress, log)

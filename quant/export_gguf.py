@@ -310,12 +310,21 @@ def convert_to_gguf(src: str | Path, dst: str | Path, opts: ConvertOptions,
     if opts.weights == "nf4":
         raise ValueError("--format gguf cannot hold --weights nf4 (no GGUF type llama.cpp reads is NF4); "
                          "use --weights int4 (written as Q4_1) or int8 (Q8_0)")
-    remove_stale(dst_path)
-    ckpt = dst_path.parent / f".{dst_path.name}.ckpt-{os.getpid()}"
+    return convert_then_export(src, dst_path, replace(opts, fp16_scales=True), export_gguf, progress, log)
+
+
+def convert_then_export(src: str | Path, dst: Path, opts: ConvertOptions,
+                        export: Callable[..., Path], progress: Callable[[int, int, str], None] | None,
+                        log: Callable[[str], None] | None) -> ConvertReport:
+    """Convert SRC with ``opts`` into a checkpoint in a temporary folder beside DST (what an
+    earlier killed run left there removed first), then ``export(checkpoint, DST, force=, log=)``;
+    the temporary checkpoint is gone however it ends."""
+    remove_stale(dst)
+    ckpt = dst.parent / f".{dst.name}.ckpt-{os.getpid()}"
     try:
-        report = convert(src, ckpt, replace(opts, fp16_scales=True, force=True), progress, log)
-        export_gguf(ckpt, dst_path, force=opts.force, log=log)
+        report = convert(src, ckpt, replace(opts, force=True), progress, log)
+        export(ckpt, dst, force=opts.force, log=log)
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
-    report.dst = dst_path
+    report.dst = dst
     return report
