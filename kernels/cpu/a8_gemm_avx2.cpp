@@ -13,31 +13,17 @@
 
 namespace {
 
-using Vi = __m256i;
-using Vf = __m256;
-constexpr int64_t kLanes = 8;
+#include "a8_ymm.inc"
+
 constexpr int kRows = 4;
 constexpr bool kOffsetX = false;
 
-inline Vi load_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline Vi add_i(Vi a, Vi b) { return _mm256_add_epi32(a, b); }
-inline Vi zero_i() { return _mm256_setzero_si256(); }
-inline Vi set1_i(int32_t v) { return _mm256_set1_epi32(v); }
-inline Vi low_nibbles(Vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-inline Vi high_nibbles(Vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline Vi pairs_to_int32(Vi pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 inline Vi dot_u4(Vi acc, Vi w, Vi x) { return _mm256_add_epi32(acc, pairs_to_int32(_mm256_maddubs_epi16(w, x))); }
 inline Vi s8_magnitude(Vi w) { return _mm256_abs_epi8(w); }
 inline Vi dot_s8(Vi acc, Vi magnitude, Vi w, Vi x) {
   return _mm256_add_epi32(acc, pairs_to_int32(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w))));
 }
-inline Vf zero_f() { return _mm256_setzero_ps(); }
-inline Vf set1_f(float v) { return _mm256_set1_ps(v); }
-inline Vf load_f(const float* p) { return _mm256_loadu_ps(p); }
-inline void store_f(float* p, Vf v) { _mm256_storeu_ps(p, v); }
-inline Vf to_f(Vi v) { return _mm256_cvtepi32_ps(v); }
-inline Vf fmadd_f(Vf a, Vf b, Vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vf mul_f(Vf a, Vf b) { return _mm256_mul_ps(a, b); }
 
 }  // namespace
 
