@@ -1,10 +1,15 @@
-"""Helpers the GPU benchmarks share: device copy bandwidth (the yardstick their "% of copy
-bandwidth" columns divide by), comma-separated integer flags and table cells."""
+"""Helpers the benchmarks share: device copy bandwidth (the yardstick the GPU benchmarks' "% of
+copy bandwidth" columns divide by), comma-separated integer flags, table cells, and starting a
+server to measure (a free port, waiting for its health check)."""
 
 from __future__ import annotations
 
+import socket
 import statistics
+import subprocess
 import time
+import urllib.request
+from pathlib import Path
 
 import torch
 
@@ -40,3 +45,26 @@ def table_cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300, log: Path | None = None) -> None:
+    """Until ``url`` answers 200; RuntimeError (with the end of ``log``) if the server exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None else ""
+            raise RuntimeError(f"server exited with {process.returncode} before answering {url}: {tail}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer in {timeout_s} s")

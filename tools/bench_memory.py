@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,30 +32,11 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import free_port, wait_healthy  # noqa: E402
+
 from edgeinfer.models.pull import default_model_path  # noqa: E402
 
 PROMPT = "Once upon a time, in a land far away, there lived a king who had three daughters. " * 40
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before answering {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer in {timeout_s} s")
 
 
 class PeakRSS:

@@ -39,6 +39,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_common import free_port, wait_healthy  # noqa: E402
+
 from edgeinfer.config import CPU_ACTIVATIONS, KV_DTYPES, LINEAR_PATHS, RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.events import Error, Finished  # noqa: E402
 from edgeinfer.core.request import GenerateRequest  # noqa: E402
@@ -154,27 +156,6 @@ async def http_round(base_url: str, headers: dict[str, str], num_streams: int, a
     return round_figures(num_streams, done, time.perf_counter() - start)
 
 
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer in {timeout_s} s")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_http(target: str, args: argparse.Namespace, encode, tag: str) -> list[dict[str, float]]:  # noqa: ANN001
     port, ctx, parallel = free_port(), args.prompt_tokens + args.new_tokens + 16, max(args.streams)
     threads = str(args.threads or os.cpu_count())
@@ -193,7 +174,7 @@ def run_http(target: str, args: argparse.Namespace, encode, tag: str) -> list[di
         with open(log, "w") as out:
             process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            wait_ready(f"http://127.0.0.1:{port}{health}", process, log)
+            wait_healthy(f"http://127.0.0.1:{port}{health}", process, log=log)
             if target == "openai":
                 headers = {"Authorization": f"Bearer {(Path(tmp) / 'token').read_text().strip()}"}
             url = f"http://127.0.0.1:{port}"
