@@ -35,9 +35,9 @@ class A8Weight:
     """A weight in the a8 kernels' tiles (see kernels/cpu/a8_gemm.h for the byte order)."""
 
     codes: torch.Tensor  # int4: uint8 (tiles, K // 32, 4, 64); int8: int8 (tiles, K // 4, 64)
-    scales: torch.Tensor  # fp32 (tiles, groups, 16)
-    mins: torch.Tensor | None  # fp32 (tiles, groups, 16); int4 always
-    wsum: torch.Tensor | None  # int8: int32 (tiles, K // min(group, 32), 16) = -128 * the unit's code sum
+    scales: torch.Tensor  # fp16 or fp32 as the checkpoint's (bf16: fp32) (tiles, groups, 16)
+    mins: torch.Tensor | None  # like the scales; int4 always
+    wsum: torch.Tensor | None  # int8: int16 (tiles, K // min(group, 32), 16), the unit's code sum
     shape: tuple[int, int]  # (N, K)
     group_size: int
     int4: bool
@@ -79,16 +79,21 @@ def prepare_a8(weight: QuantizedTensor, terms: int = 1) -> A8Weight:
     else:
         codes = q.view(tiles, COLS, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(tiles, k // 4, 64)
 
+    # Scales and mins stay fp16 where the checkpoint has them so (a GGUF's are): a decode step of a
+    # model larger than the caches reads every byte, and fp32 ones made a Q4_K tile 24 instead of
+    # 20 bytes per 32 weights. Others (fp32, bf16) run as fp32, exactly.
+    params = [t for t in (weight.scales, weight.mins) if t is not None]
+    dtype = torch.float16 if all(t.dtype == torch.float16 for t in params) else torch.float32
+
     def per_tile(t: torch.Tensor) -> torch.Tensor:  # (N, groups) -> (tiles, groups, 16)
-        return F.pad(t.float(), (0, 0, 0, pad)).view(tiles, COLS, k // group).transpose(1, 2).contiguous()
+        return F.pad(t.to(dtype), (0, 0, 0, pad)).view(tiles, COLS, k // group).transpose(1, 2).contiguous()
 
     mins = per_tile(weight.mins) if weight.mins is not None else None
     wsum = None
     if not int4:
         unit = min(group, UNIT)
-        sums = weight.qweight.view(n, k // unit, unit).sum(-1, dtype=torch.int32).float()
-        wsum = (F.pad(sums, (0, 0, 0, pad)).view(tiles, COLS, k // unit).transpose(1, 2) * -128).to(torch.int32)
-        wsum = wsum.contiguous()  # |sums| <= 32 * 128: exact in fp32
+        sums = weight.qweight.view(n, k // unit, unit).sum(-1, dtype=torch.int32)  # |sum| <= 32 * 128: int16
+        wsum = F.pad(sums, (0, 0, 0, pad)).view(tiles, COLS, k // unit).transpose(1, 2).to(torch.int16).contiguous()
     return A8Weight(codes, per_tile(weight.scales), mins, wsum, (n, k), group, int4, terms)
 
 

@@ -1,6 +1,7 @@
 """The int8-activation GEMMs (kernels.cpu_a8) against the int16-activation kernel and fp32.
 
-For SmolLM2-135M's two MLP shapes (gate/up-like N=1536 x K=576 and down-like N=576 x K=1536) at
+For SmolLM2-135M's two MLP shapes (gate/up-like N=1536 x K=576 and down-like N=576 x K=1536; or
+--shapes 1.7b, SmolLM2-1.7B's 8192 x 2048 and 2048 x 8192) at
 M = 1, 4, 16, 64, 256, prints microseconds per call and GOP/s (2 M N K / time) of: the a8 kernel
 on each instruction set this CPU runs, the int16-activation kernel (kernels.cpu_ops, today's
 path up to 64 rows) and torch's fp32 GEMM on the already dequantized weight (a lower bound for
@@ -8,7 +9,8 @@ today's dequantize + GEMM path above 64 rows), with the a8 figures also as a fra
 machine's int8 peak for their instruction set (tools/int8_peak.py, on the same threads). Each
 runs --repeats calls in a row (the median counts); run it with nice, on a quiet machine.
 
-    python tools/bench_int8_gemm.py [--format int4|int8] [--m 1 4 16 64 256] [--threads 2] [--repeats 15]
+    python tools/bench_int8_gemm.py [--format int4|int8] [--shapes 135m|1.7b] [--m 1 4 16 64 256] [--threads 2]
+                                    [--repeats 15]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +34,9 @@ from int8_peak import peak_gops  # noqa: E402
 from kernels import cpu_a8, cpu_ops  # noqa: E402
 from quant.formats import quantize_int4, quantize_int8  # noqa: E402
 
-SHAPES = {"1536x576": (1536, 576), "576x1536": (576, 1536)}
+# (N, K) of the MLP's two linears: SmolLM2-135M's (the default model) and SmolLM2-1.7B's.
+SHAPES = {"135m": {"1536x576": (1536, 576), "576x1536": (576, 1536)},
+          "1.7b": {"8192x2048": (8192, 2048), "2048x8192": (2048, 8192)}}
 
 
 def _median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -66,6 +71,7 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="135m", help="whose MLP shapes (default: 135m)")
     args = parser.parse_args()
     if not cpu_ops.available():
         sys.exit("the C++ CPU ops do not build here")
@@ -73,10 +79,14 @@ def main() -> None:
     isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
     peaks = {isa: peak_gops(isa, args.threads) for isa in isas}
     print(f"{args.threads} threads; int8 peak GOP/s: " + ", ".join(f"{isa} {p:.0f}" for isa, p in peaks.items()))
-    print(f"{'shape':>9} {'M':>4} " + " ".join(f"{name:>20}" for name in [*isas, "int16", "fp32"]))
-    for label, (n, k) in SHAPES.items():
+    print(f"{'shape':>9} {'M':>4} " + " ".join(f"{name:>20}" for name in [*isas, "int16", "fp32"])
+          + f" {isas[0] + ' read':>10}")
+    for label, (n, k) in SHAPES[args.shapes].items():
         dense = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
         weight = quantize_int4(dense, 32) if args.format == "int4" else quantize_int8(dense, 32)
+        # fp16 scales and mins, as a GGUF's (Q4_1, Q8_0, the K-quants' products) are
+        weight = replace(weight, scales=weight.scales.half(),
+                         mins=None if weight.mins is None else weight.mins.half())
         a8 = cpu_a8.prepare_a8(weight)
         if args.format == "int4":
             int16_weight = cpu_ops.prepare_int4(weight)
@@ -93,6 +103,8 @@ def main() -> None:
                 gops = 2 * m * n * k / t / 1e3
                 share = f" {gops / peaks[name]:4.0%}" if name in peaks else "     "
                 cells.append(f"{t:7.0f}us {gops:5.0f}G{share}")
+            # At M = 1 a GEMV is bound by the weight's bytes: the a8 tiles' read rate.
+            cells.append(f"{a8.nbytes / us[isas[0]] / 1e3:5.1f}GB/s")
             print(f"{label:>9} {m:>4} " + " ".join(f"{c:>20}" for c in cells))
 
 

@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -37,14 +38,21 @@ using edgeinfer_cpu::kA8Unit;
 
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
+// Not every compiler's __builtin_cpu_supports knows "f16c": CPUID leaf 1 says.
+bool f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+}
+
 bool isa_supported(const std::string& isa) {
   __builtin_cpu_init();
   if (isa == "avx512vnni") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
   }
-  if (isa == "avxvnni") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
-  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // The 256-bit kernels read fp16 scales with F16C (every AVX2 CPU has it; checked all the same).
+  if (isa == "avxvnni") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni") && f16c();
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c();
   TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected avx512vnni, avxvnni or avx2)");
 }
 
@@ -113,9 +121,10 @@ int64_t edgeinfer_cpu::a8_group(const at::Tensor& codes, const at::Tensor& scale
               name, " must be prepared int4 (uint8) or int8 tiles of N=", n, " K=", k, " (K a multiple of 32)");
   const int64_t groups = scales.numel() / (tiles * kA8Cols);
   const int64_t group = groups > 0 ? k / groups : 0;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && group > 0 && groups * group == k &&
-                  scales.numel() == tiles * groups * kA8Cols && (int4 ? group % 32 == 0 : group % 16 == 0),
-              name, " scales must be fp32 (tiles, K / group, 16), group a multiple of 32 (int4) or 16 (int8)");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  group > 0 && groups * group == k && scales.numel() == tiles * groups * kA8Cols &&
+                  (int4 ? group % 32 == 0 : group % 16 == 0),
+              name, " scales must be fp16 or fp32 (tiles, K / group, 16), group a multiple of 32 (int4) or 16 (int8)");
   return group;
 }
 
@@ -128,14 +137,15 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   const bool int4 = codes.scalar_type() == at::kByte;
   const bool has_mins = mins.defined() && mins.numel() > 0;
   TORCH_CHECK(!int4 || has_mins, "int4 weights need mins");
-  TORCH_CHECK(!has_mins || (mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == scales.numel()),
-              "mins must be fp32 shaped like the scales");
+  TORCH_CHECK(!has_mins || (mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
+                             mins.numel() == scales.numel()),
+              "mins must be shaped like the scales, in their dtype");
   const bool offset_x = !int4 && isa != "avx2";  // the VNNI kernels take int8 x as x + 128 (uint8)
   const int64_t unit = std::min(group, kA8Unit);
   const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
-  TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kInt && wsum.is_contiguous() &&
+  TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kShort && wsum.is_contiguous() &&
                             wsum.numel() == tiles * (k / unit) * kA8Cols),
-              "int8 weights need wsum, int32 (tiles, K / min(group, 32), 16)");
+              "int8 weights need wsum, int16 (tiles, K / min(group, 32), 16)");
   if (m == 0 || n == 0) return;
   const int64_t groups = k / group;
   const int64_t rows = m * terms;  // with two terms, row 2r is x[r]'s codes and 2r + 1 its residual's
@@ -158,10 +168,11 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
     }
   });
   float* out = terms == 2 ? y_terms.data() : y;
-  const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
-                    has_mins ? mins.data_ptr<float>() : nullptr, offset_x ? wsum.data_ptr<int32_t>() : nullptr,
+  const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+                    has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
                     reinterpret_cast<const uint8_t*>(xq.data()), x_scale.data(),
-                    has_mins ? x_gsum.data() : nullptr, out, rows, n, k, group, int4};
+                    has_mins ? x_gsum.data() : nullptr, out, rows, n, k, group, int4,
+                    scales.scalar_type() == at::kHalf};
   const Kernel kernel = isa == "avx512vnni" ? a8_columns_avx512vnni
                         : isa == "avxvnni"  ? a8_columns_avxvnni
                                             : a8_columns_avx2;

@@ -29,18 +29,22 @@ constexpr int64_t kA8Unit = 32;
 //   int4: per 32-block, 4 vectors of 64 bytes; byte 4c + j of vector v holds column c's code
 //         for k = 4v + j in its low nibble and k = 16 + 4v + j in its high nibble (unsigned 0..15).
 //   int8: per 4 values of K, 64 bytes; byte 4c + j holds column c's signed code for k = 4q + j.
-// scales / mins: (tiles, groups, kA8Cols); wsum: (tiles, K / U, kA8Cols) = -128 * the unit's code sum (int8).
+// scales / mins: (tiles, groups, kA8Cols), fp16 or fp32 (`half`) as the checkpoint has them: a
+// GGUF's fp16 kept as fp16 is 20 rather than 24 bytes per 32 int4 weights, and a decode step of a
+// model larger than the caches reads every byte. wsum: (tiles, K / U, kA8Cols) int16, the unit's
+// code sum (int8 weights; |sum| <= 32 * 128).
 struct A8Problem {
   const uint8_t* codes;
-  const float* scales;
-  const float* mins;     // null: no min term
-  const int32_t* wsum;   // int8 weights; the VNNI kernels start each unit's sum from it
+  const void* scales;
+  const void* mins;      // null: no min term
+  const int16_t* wsum;   // int8 weights; the VNNI kernels start each unit's sum from -128 x it
   const uint8_t* x;      // (M, K) codes: int8, or for the VNNI int8 kernels int8 + 128 as uint8
   const float* x_scale;  // (M, K / U)
   const float* x_gsum;   // (M, groups); null without mins
   float* y;              // (M, N)
   int64_t m, n, k, group;
   bool int4;
+  bool half;  // scales and mins are fp16
 };
 
 // Columns tiles [tile0, tile1) of y for all M rows.

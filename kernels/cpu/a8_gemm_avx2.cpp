@@ -3,7 +3,7 @@
 // int4: codes 0..15 x int8 pairs stay far below int16's limit. int8 x int8: |w| is the unsigned
 // operand and x takes w's sign (vpsignb), llama.cpp's trick: a pair is at most 2 * 128 * 127,
 // which fits int16 where x + 128 against signed w would saturate.
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 #include <immintrin.h>
 

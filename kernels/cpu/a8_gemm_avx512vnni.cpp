@@ -30,6 +30,12 @@ inline Vi dot_s8(Vi acc, Vi, Vi w, Vi x_offset) { return _mm512_dpbusd_epi32(acc
 inline Vf zero_f() { return _mm512_setzero_ps(); }
 inline Vf set1_f(float v) { return _mm512_set1_ps(v); }
 inline Vf load_f(const float* p) { return _mm512_loadu_ps(p); }
+inline Vf load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// -128 x the unit's int16 code sums: where the int8 kernel's dot products start (x is read + 128).
+inline Vi wsum_start(const int16_t* p) {
+  const Vi sums = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7));
+}
 inline void store_f(float* p, Vf v) { _mm512_storeu_ps(p, v); }
 inline Vf to_f(Vi v) { return _mm512_cvtepi32_ps(v); }
 inline Vf fmadd_f(Vf a, Vf b, Vf c) { return _mm512_fmadd_ps(a, b, c); }

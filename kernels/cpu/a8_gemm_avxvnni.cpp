@@ -1,7 +1,7 @@
 // The int8-activation GEMM kernel for AVX-VNNI (256-bit vpdpbusd, without AVX-512): 8 columns
 // per vector, two vectors per 16-column tile, 4 activation rows per pass (16 ymm). Same operands
 // as the AVX512-VNNI kernel: int4 codes unsigned as they are, int8 weights against x + 128.
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 
 #include <immintrin.h>
 

@@ -14,8 +14,8 @@ namespace edgeinfer_cpu {
 void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t group_size, float* y);
 
-// a8_gemm.cpp: y (M, N) = x (M, K) @ W.T for a kernels.cpu_a8 prepared weight (codes, fp32 scales,
-// mins or an empty tensor, int32 wsum or an empty tensor for int4), x rounded to int8 per row
+// a8_gemm.cpp: y (M, N) = x (M, K) @ W.T for a kernels.cpu_a8 prepared weight (codes, fp16 or fp32 scales,
+// mins or an empty tensor, int16 wsum or an empty tensor for int4), x rounded to int8 per row
 // (`terms` 2: x and its rounding residual, each to int8), on the `isa` kernel (avx512vnni,
 // avxvnni, avx2); checks the weight.
 void a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,

@@ -90,6 +90,27 @@ def test_a8_gemm_int8_groups_and_mins(isa, group, mins, scale_dtype):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_tiles_keep_fp16_params_and_run_fp32_ones(isa, fmt):
+    """A GGUF's fp16 scales and mins stay fp16 in the tiles (20 bytes per 32 int4 weights, the int8
+    code sums int16); fp32 and bf16 ones run as fp32, exactly, on the same kernels."""
+    x = _x(7, 576, seed=5)
+    kept_as = ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16))
+    for dtype, kept in kept_as:
+        weight = _weight(fmt, 33, 576, 32, seed=6, mins=True, scale_dtype=dtype)
+        a8 = cpu_a8.prepare_a8(weight)
+        assert a8.scales.dtype == kept and a8.mins.dtype == kept
+        out = cpu_a8.a8_linear(x, a8, isa)
+        reference = int8_activation_gemm_reference(x, weight)
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
+    tiles = -(-33 // cpu_a8.COLS) * cpu_a8.COLS
+    if fmt == "int4":  # the fp16 weight: codes, an fp16 scale and min per 32
+        assert a8.nbytes == tiles * 576 // 2 + 2 * 2 * tiles * 576 // 32
+    else:
+        assert a8.wsum.dtype == torch.int16 and a8.nbytes == tiles * 576 + 3 * 2 * tiles * 576 // 32
+
+
 def test_isas_agree_and_the_default_is_the_best():
     runnable = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
     assert "avx2" in runnable and cpu_a8.default_isa() in runnable
