@@ -4,8 +4,8 @@ Each engine runs in its own subprocess (so peak RSS is its own) with the same th
 same prompt (cut from tinyshakespeare) of --prompt-tokens tokens, then --new-tokens greedy
 decode steps one token at a time. Prints a table with ratios against llama.cpp.
 
-    python tools/bench_cpu.py [--prompt-tokens 256] [--new-tokens 128] [--threads 2] [--json]
-                              [--engines edgeinfer llama.cpp]
+    python tools/bench_cpu.py [--model FILE] [--prompt-tokens 256] [--new-tokens 128] [--threads 2]
+                              [--runs 3] [--engines edgeinfer llama.cpp] [--cpu-activations int16 int8x2] [--json]
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,9 +33,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_edgeinfer(model: str, prompt_tokens: int, new_tokens: int, threads: int) -> dict:
+def run_edgeinfer(model: str, prompt_tokens: int, new_tokens: int, threads: int, cpu_activations: str) -> dict:
     cmd = [sys.executable, "-m", "edgeinfer.cli", "bench", "--model", model, "--prompt-tokens", str(prompt_tokens),
-           "--new-tokens", str(new_tokens), "--threads", str(threads), "--json"]
+           "--new-tokens", str(new_tokens), "--threads", str(threads), "--cpu-activations", cpu_activations, "--json"]
     if CORPUS.is_file():
         cmd += ["--text", str(CORPUS)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
@@ -99,15 +101,39 @@ def run_worker(name: str, args: argparse.Namespace) -> dict | None:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _engine_runs(args: argparse.Namespace) -> list[tuple[str, Callable[[], dict | None]]]:
+    """(row name, run) for each engine asked for: edgeinfer once per --cpu-activations mode."""
+    runs = []
+    for name in args.engines:
+        if name == "edgeinfer":
+            for mode in args.cpu_activations:
+                label = "edgeinfer" if len(args.cpu_activations) == 1 else f"edgeinfer {mode}"
+                runs.append((label, lambda mode=mode: run_edgeinfer(args.model, args.prompt_tokens, args.new_tokens,
+                                                                    args.threads, mode)))
+        else:
+            runs.append((name, lambda name=name: run_worker(name, args)))
+    return runs
+
+
+def _spread(values: list[float], fmt: str = ".1f") -> str:
+    """median (min-max): the machine is shared, so one figure alone says little."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:{fmt}}"
+    return f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=2, help="runs per engine; the best is kept")
+    parser.add_argument("--runs", type=int, default=3, help="rounds; each round runs every engine once, in turn")
     parser.add_argument("--engines", nargs="+", choices=("edgeinfer", "llama.cpp", "transformers"),
                         default=["edgeinfer", "llama.cpp", "transformers"])
+    parser.add_argument("--cpu-activations", nargs="+", choices=("int16", "int8", "int8x2"), default=["int16"],
+                        help="edgeinfer's activation rounding; several give a row each")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -120,34 +146,37 @@ def main() -> int:
         print(json.dumps(WORKERS[args.worker](args.model, args.prompt_tokens, args.new_tokens, args.threads)))
         return 0
 
-    rows: dict[str, dict] = {}
-    for name in args.engines:
-        runs = []
-        for _ in range(args.repeat):
-            run = (run_edgeinfer(args.model, args.prompt_tokens, args.new_tokens, args.threads)
-                   if name == "edgeinfer" else run_worker(name, args))
-            if run is None:
-                break
-            runs.append(run)
-        if runs:
-            rows[name] = {"prefill_tok_s": max(r["prefill_tok_s"] for r in runs),
-                          "decode_tok_s": max(r["decode_tok_s"] for r in runs),
-                          "peak_rss_mb": min(r["peak_rss_mb"] for r in runs)}
+    engines = _engine_runs(args)
+    runs: dict[str, list[dict]] = {name: [] for name, _ in engines}
+    for _ in range(args.runs):  # alternated, so slow phases of a shared machine hit every engine
+        for name, run in engines:
+            if runs[name] is None:
+                continue
+            result = run()
+            if result is None:
+                runs[name] = None
+            else:
+                runs[name].append(result)
+    rows = {name: r for name, r in runs.items() if r}
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     base = rows.get("llama.cpp")
-    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} greedy decode steps, {args.threads} threads")
-    extra = " vs llama.cpp (prefill / decode / RSS) |" if base else ""
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} greedy decode steps, {args.threads} threads, "
+          f"{args.runs} alternated runs: median (min-max)")
+    extra = " prefill / decode / RSS vs llama.cpp (same round) |" if base else ""
     print(f"| engine | prefill tok/s | decode tok/s | peak RSS MB |{extra}")
     print(f"|---|---|---|---|{'---|' if base else ''}")
     for name, r in rows.items():
         ratio = ""
         if base:
-            ratio = (f" {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x"
-                     f" / {r['decode_tok_s'] / base['decode_tok_s']:.2f}x"
-                     f" / {r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x |")
-        print(f"| {name} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.1f} | {r['peak_rss_mb']:.0f} |{ratio}")
+            pairs = list(zip(r, base, strict=False))  # a peer that failed a round has fewer
+            ratio = " " + " / ".join(
+                _spread([a[key] / b[key] for a, b in pairs], ".2f") + "x"
+                for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mb")) + " |"
+        cells = " | ".join(_spread([x[key] for x in r], ".0f" if key == "peak_rss_mb" else ".1f")
+                           for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mb"))
+        print(f"| {name} | {cells} |{ratio}")
     return 0
 
 

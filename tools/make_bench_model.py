@@ -81,6 +81,10 @@ def main() -> int:
     missing = [v for v in ("LLAMA_CPP_BIN", "LLAMA_CPP_SRC") if v not in os.environ]
     if missing:
         parser.error(f"{' and '.join(missing)} not set: run `eval \"$(tools/build_llama_cpp.sh)\"` first")
+    try:  # the converter tries a SentencePiece vocab first for llama models and dies without the module
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        parser.error("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: pip install sentencepiece")
     bin_dir, src = Path(os.environ["LLAMA_CPP_BIN"]), Path(os.environ["LLAMA_CPP_SRC"])
     out = args.out / NAME
     f16 = out / f"{NAME}.F16.gguf"
