@@ -1,10 +1,11 @@
-"""Where one decode step of the engine goes, at one stream, and why the compute thread matters.
+"""Where one decode step of the engine goes, at one stream or many, and why the compute thread matters.
 
-1. `step`: the default model through `Engine` (256-token prompt, --new-tokens greedy tokens,
-   --runs runs): median time between tokens, of which the model forward (ModelRunner.logits),
-   the rest of the model actor's step (batch, sampling, result), and the scheduler's schedule +
-   postprocess; what is left is the event loop (mailboxes, event streams, waking on the compute
-   thread). The issue-#20 target: under 10% of the step outside the forward.
+1. `step`: the default model through `Engine` (--streams requests of 256-token prompts,
+   --new-tokens greedy tokens, --runs runs), decode steps only: median time between tokens, of
+   which the model forward (ModelRunner.logits), the rest of the model actor's step (batch,
+   sampling, result), and the scheduler's schedule + postprocess; what is left is the event loop
+   (mailboxes, event streams, waking on the compute thread). The target (issues #20 and #24, at 1
+   and 16 streams): under 10% of the step outside the forward.
 2. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
    and built on the main thread but run on a second one: the effect
@@ -13,6 +14,7 @@
 Wraps the engine's internals with timers (private attributes): a measurement tool, not an API.
 
     python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
+                                      [--streams 16] [--cpu-activations int16|int8|int8x2]
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False) -> None:
-    config = EngineConfig(str(default_model_path()), RuntimeConfig(num_kv_blocks=64), SchedulerConfig())
+async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, streams: int = 1,
+                         cpu_activations: str = "int16") -> None:
+    runtime = RuntimeConfig(num_kv_blocks=64 * streams, cpu_activations=cpu_activations)
+    config = EngineConfig(str(default_model_path()), runtime, SchedulerConfig())
     async with Engine(config) as engine:
         if per_op:  # what an architecture the fused C++ step does not cover runs (issue #21's fallback)
             model = engine._runner.model
@@ -62,19 +66,30 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False) -> No
         scheduler = engine._scheduler_actor.scheduler
         scheduler.schedule = timed(plan, scheduler.schedule)
         scheduler.postprocess = timed(plan, scheduler.postprocess)
-        prompt = tuple(engine.tokenizer.encode("Once upon a time, in a land far away, there lived a king. " * 40))
+        text = "Once upon a time, in a land far away, there lived a king. " * 40
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        print(f"{streams} stream(s), cpu activations {cpu_activations}{', per-op forward' if per_op else ''}")
         print("run  step ms  forward ms  actor rest ms  schedule+post ms  outside the forward")
         for run in range(runs):
             for record in (forward, execute, plan):
                 record.clear()
-            stamps = []
-            request = GenerateRequest(f"r{run}", prompt_token_ids=prompt[:256], params=params)
-            async for _ in engine.generate(request):
-                stamps.append(time.perf_counter())
-            gaps = [b - a for a, b in zip(stamps[2:-1], stamps[3:], strict=False)]  # decode steps only
-            step, fwd = statistics.median(gaps), statistics.median(forward[2:])
-            rest = statistics.median(execute[2:]) - fwd
+            stamps: list[list[float]] = [[] for _ in range(streams)]
+
+            async def one(i: int, run: int = run, stamps: list[list[float]] = stamps) -> None:
+                # Each stream its own prompt (a distinct first word), so no prefix is shared.
+                prompt = tuple(engine.tokenizer.encode(f"{i} {run} {text}"))[:256]
+                request = GenerateRequest(f"r{run}-{i}", prompt_token_ids=prompt, params=params)
+                async for _ in engine.generate(request):
+                    stamps[i].append(time.perf_counter())
+
+            await asyncio.gather(*(one(i) for i in range(streams)))
+            # Decode steps only: from the last stream's first token on, every step serves them all.
+            start = max(s[0] for s in stamps)
+            times = [t for t in stamps[0] if t > start]
+            gaps = [b - a for a, b in zip(times[1:-1], times[2:], strict=False)]
+            decode = len(execute) // 2  # the later half of the steps: decode steps, all streams running
+            step, fwd = statistics.median(gaps), statistics.median(forward[decode:])
+            rest = statistics.median(execute[decode:]) - fwd
             sched = 2 * statistics.median(plan)
             print(f"{run:3d}  {step * 1e3:7.2f}  {fwd * 1e3:10.2f}  {rest * 1e3:13.3f}  {sched * 1e3:16.3f}"
                   f"  {(step - fwd) * 1e3:.2f} ms = {(step - fwd) / step:.1%}")
@@ -120,11 +135,13 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--per-op", action="store_true",
                         help="step: the per-op forward instead of the fused C++ step (the fallback's cost)")
+    parser.add_argument("--streams", type=int, default=1, help="step: concurrent requests (default: 1)")
+    parser.add_argument("--cpu-activations", choices=("int16", "int8", "int8x2"), default="int16")
     args = parser.parse_args()
     if args.what in ("threads", "all"):
         gemm_on_threads()
     if args.what in ("step", "all"):
-        asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op))
+        asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations))
     return 0
 
 
