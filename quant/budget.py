@@ -173,10 +173,11 @@ def sizes(source: Source, opts: ConvertOptions) -> tuple[dict[str, LayerChoice],
     for name in source.names:
         old = source.load(name).to("meta")
         if name not in planned:
-            fixed += stored_bytes(convert_weight(old, *target_format(name, len(old.shape), opts)))
+            fixed += stored_bytes(convert_weight(old, *target_format(name, len(old.shape), opts), opts.fp16_scales,
+                                                 opts.ct_layout))
             continue
         for fmt, size in CHOICES:
-            q = convert_weight(old, fmt, size)
+            q = convert_weight(old, fmt, size, opts.fp16_scales, opts.ct_layout)
             if name not in smallest or q.nbytes < smallest[name].nbytes:
                 smallest[name] = LayerChoice(name, fmt, q.group_size if fmt == "int4" else None, q.nbytes,
                                              float("nan"))
@@ -221,7 +222,8 @@ def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib
 
     tokens = calibration_tokens(source.tokenizer, Path(CALIB_TEXT), calib_tokens, calib_seqlen)
     calibrator = GPTQCalibrator(source.config, tokens)
-    calibrator.set_embedding(dense(convert_weight(source.load(EMBED), *target_format(EMBED, 2, opts))))
+    calibrator.set_embedding(dense(convert_weight(source.load(EMBED), *target_format(EMBED, 2, opts),
+                                                  opts.fp16_scales, opts.ct_layout)))
     options: dict[str, list[LayerChoice]] = {}
     for group in layer_groups(source.names):
         if not (group and LAYER_NAME.match(group[0])):
@@ -233,7 +235,8 @@ def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib
             w = dense(layer[name])
             seen: dict[tuple[str, int], LayerChoice] = {}
             for fmt, size in CHOICES:
-                q = convert_weight(layer[name], fmt, size)  # as convert stores it (a source's g32 is kept)
+                # as convert stores it with opts (a source's g32 is kept; the compressed-tensors layout re-rounds)
+                q = convert_weight(layer[name], fmt, size, opts.fp16_scales, opts.ct_layout)
                 g = q.group_size if fmt == "int4" else None  # g64 where 128 does not divide K
                 seen.setdefault((fmt, g), LayerChoice(name, fmt, g, q.nbytes, output_error(w, q, h)))
             options[name] = undominated(seen.values())
@@ -245,13 +248,29 @@ def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib
     return options
 
 
+EXPORTS = ("edgeinfer", "compressed-tensors")  # --format values a plan can be written as
+
+
 def convert_to_budget(src: str | Path, dst: str | Path, opts: ConvertOptions, budget: Budget,
                       progress: Callable[[int, int, str], None] | None = None,
-                      log: Callable[[str], None] | None = None) -> tuple[ConvertReport, Plan]:
+                      log: Callable[[str], None] | None = None,
+                      export: str = "edgeinfer") -> tuple[ConvertReport, Plan]:
     """``edgeinfer quantize --budget``: measure, plan (printed), convert with the plan's precisions
-    and store the plan in the checkpoint's config.json."""
+    and store the plan in the checkpoint's config.json; ``export`` "compressed-tensors" plans
+    with that layout's rounding (integer zero points, fp16 scale values: what the folder holds)
+    and writes the folder, one config group per precision (quant.export_ctensors)."""
     log = log or (lambda line: print(line, file=sys.stderr))
-    check_destination(dst, opts.force)  # fail before the measurement
+    if export not in EXPORTS:
+        raise ValueError(f"--budget writes --format {' or '.join(EXPORTS)}, not {export} (GGUF's Q4_1 and Q8_0 "
+                         "hold groups of 32 only: no g64, g128 or per-row int8)")
+    write: Callable[..., ConvertReport] = convert
+    if export == "compressed-tensors":
+        from quant.export_ctensors import check_ct_destination, convert_to_ctensors
+
+        check_ct_destination(dst, opts.force)
+        opts, write = replace(opts, ct_layout=True), convert_to_ctensors
+    else:
+        check_destination(dst, opts.force)  # fail before the measurement
     source = open_source(src)
     budget = budget.for_model(source.config)
     smallest = smallest_plan(source, opts, budget)
@@ -259,5 +278,5 @@ def convert_to_budget(src: str | Path, dst: str | Path, opts: ConvertOptions, bu
     plan = choose(measure(source, opts), smallest.fixed_bytes, budget, source.config)
     log(plan.table())
     precisions = tuple((c.name, c.fmt, c.group) for c in plan.layers)
-    report = convert(src, dst, replace(opts, precisions=precisions, plan=json.dumps(plan.to_dict())), progress, log)
+    report = write(src, dst, replace(opts, precisions=precisions, plan=json.dumps(plan.to_dict())), progress, log)
     return report, plan

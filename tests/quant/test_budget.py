@@ -122,6 +122,8 @@ def test_a_budget_that_cannot_be_met_and_a_machine_too_small(tmp_path: Path,
     assert "--budget 0.10 MB cannot be met: it is" in err and "short of the smallest plan" in err
     assert "KV 0.13 MB for 128 tokens x 2 (fp16)" in err
     assert not (tmp_path / "out").exists()
+    assert quantize_main([*args, "--budget", "1MB", "--format", "gguf"]) == 2
+    assert "--budget writes --format edgeinfer or compressed-tensors, not gguf" in capsys.readouterr().err
     assert quantize_main([*args, "--budget", "1MB"]) == 0
     loaded = load_model(tmp_path / "out")
     assert dict(loaded.budget_plan)["ctx"] == 128
