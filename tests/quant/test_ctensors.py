@@ -204,7 +204,10 @@ def _mixed_plan(tmp_path: Path) -> tuple[Path, dict[str, str], dict]:
     source, opts = open_source(src), ConvertOptions(weights="int4", ct_layout=True)
     smallest, fixed = sizes(source, opts)
     budget = Budget(10**9, 64, 1, "fp16").for_model(source.config)
-    largest = choose(measure(source, opts), fixed, budget, source.config)
+    options = measure(source, opts)
+    for name, choices in options.items():  # shapes alone give this layout's bytes too
+        assert smallest[name].nbytes == choices[-1].nbytes, name
+    largest = choose(options, fixed, budget, source.config)
     middle = (largest.total_bytes + fixed + sum(c.nbytes for c in smallest.values()) + largest.kv_bytes) // 2
     out = tmp_path / "out"
     assert quantize_main([str(src), str(out), "--weights", "int4", "--budget", str(middle), "--ctx", "64",
