@@ -11,10 +11,11 @@ is that layer's alone), and its bytes exactly as the quantized tensor stores the
 start with every layer at its most accurate choice (choices beaten on both bytes and error are
 dropped: a source already on a 4-bit grid keeps g32 exactly, cheaper than int8) and, while the
 plan does not fit, move the layer whose next cheaper choice costs the least error increase per
-byte saved; a budget that even all-g128
-misses is refused with the shortfall and what the smallest plan needs. The plan is printed as a
-table and stored in the checkpoint's config.json (``edgeinfer_plan``), which the server
-checks against the machine at start (edgeinfer.worker.build).
+byte saved. What the smallest plan (every linear at its fewest bytes) needs is known from the
+shapes and source formats alone (``sizes``: the conversion run on the meta device), so a budget
+it misses is refused before the measurement, with the shortfall and those figures. The plan is
+printed as a table and stored in the checkpoint's config.json (``edgeinfer_plan``), which the
+server checks against the machine at start (edgeinfer.worker.build).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from quant.convert import (
     LAYER_NAME,
     ConvertOptions,
     ConvertReport,
+    Weight,
     convert,
     convert_weight,
     layer_groups,
@@ -137,6 +139,58 @@ def undominated(choices: Iterable[LayerChoice]) -> list[LayerChoice]:
     return kept[::-1]
 
 
+def require_fits(smallest: Plan) -> None:
+    """ValueError with the shortfall and the figures if the smallest plan misses its budget."""
+    budget = smallest.budget
+    if smallest.total_bytes > budget.total_bytes:
+        raise ValueError(
+            f"--budget {budget.total_bytes / MB:,.2f} MB cannot be met: it is "
+            f"{(smallest.total_bytes - budget.total_bytes) / MB:,.2f} MB short of the smallest plan (every linear "
+            f"at its fewest bytes): weights {smallest.weight_bytes / MB:,.2f} MB + KV "
+            f"{smallest.kv_bytes / MB:,.2f} MB for {budget.context} tokens x {budget.parallel} ({budget.kv_dtype}) "
+            f"= {smallest.total_bytes / MB:,.2f} MB; lower --ctx or --parallel, or use --kv-dtype int8")
+
+
+def stored_bytes(weight: Weight) -> int:
+    """Bytes of a weight as the checkpoint stores it."""
+    return weight.nbytes if isinstance(weight, QuantizedTensor) else weight.numel() * weight.element_size()
+
+
+def planned_names(config: ModelConfig) -> set[str]:
+    """The linears a plan chooses a precision for (those the calibrator hands to ``measure``)."""
+    parts = [part for group in config.spec.linear_parts().values() for part in group]
+    return {f"model.layers.{i}.{part}.weight" for i in range(config.num_layers) for part in parts}
+
+
+def sizes(source: Source, opts: ConvertOptions) -> tuple[dict[str, LayerChoice], int]:
+    """Each planned linear at its fewest bytes over CHOICES (its error not measured: nan), and
+    the bytes of everything else with ``opts``, as convert stores them, without the measurement:
+    the weights are converted on the meta device, so only their shapes and source formats count
+    (a source's g32 is kept with its own scales) and no number is computed."""
+    planned = planned_names(source.config)
+    smallest: dict[str, LayerChoice] = {}
+    fixed = 0
+    for name in source.names:
+        old = source.load(name).to("meta")
+        if name not in planned:
+            fixed += stored_bytes(convert_weight(old, *target_format(name, len(old.shape), opts), opts.fp16_scales,
+                                                 opts.ct_layout))
+            continue
+        for fmt, size in CHOICES:
+            q = convert_weight(old, fmt, size, opts.fp16_scales, opts.ct_layout)
+            if name not in smallest or q.nbytes < smallest[name].nbytes:
+                smallest[name] = LayerChoice(name, fmt, q.group_size if fmt == "int4" else None, q.nbytes,
+                                             float("nan"))
+    return smallest, fixed
+
+
+def smallest_plan(source: Source, opts: ConvertOptions, budget: Budget) -> Plan:
+    """Every linear at its fewest bytes, from shapes alone (``budget``'s context resolved:
+    Budget.for_model); what ``require_fits`` checks before the minutes of measurement."""
+    smallest, fixed = sizes(source, opts)
+    return Plan(budget, fixed, budget.kv_bytes(source.config), tuple(smallest.values()))
+
+
 def choose(options: dict[str, list[LayerChoice]], fixed_bytes: int, budget: Budget, config: ModelConfig) -> Plan:
     """Greedy: every layer at its first (most precise) option, then the cheapest error per byte
     saved moves first, until weights + KV fit ``budget``; ValueError with the figures if even
@@ -147,15 +201,7 @@ def choose(options: dict[str, list[LayerChoice]], fixed_bytes: int, budget: Budg
     def plan() -> Plan:
         return Plan(budget, fixed_bytes, kv, tuple(options[name][i] for name, i in at.items()))
 
-    smallest = Plan(budget, fixed_bytes, kv, tuple(opts[-1] for opts in options.values()))
-    if smallest.total_bytes > budget.total_bytes:
-        raise ValueError(
-            f"--budget {budget.total_bytes / MB:,.2f} MB cannot be met: it is "
-            f"{(smallest.total_bytes - budget.total_bytes) / MB:,.2f} MB short of the smallest plan (every linear "
-            f"at its fewest bytes): weights {smallest.weight_bytes / MB:,.2f} MB + KV "
-            f"{kv / MB:,.2f} MB for {budget.context} tokens x {budget.parallel} ({budget.kv_dtype}) = "
-            f"{smallest.total_bytes / MB:,.2f} MB; lower --ctx or "
-            "--parallel, or use --kv-dtype int8")
+    require_fits(Plan(budget, fixed_bytes, kv, tuple(opts[-1] for opts in options.values())))
     current = plan()
     while current.total_bytes > budget.total_bytes:
         def cost(name: str) -> float:
@@ -169,57 +215,68 @@ def choose(options: dict[str, list[LayerChoice]], fixed_bytes: int, budget: Budg
 
 
 def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib_seqlen: int = 128,
-            log: Callable[[str], None] | None = None) -> tuple[dict[str, list[LayerChoice]], int]:
-    """Every linear's choices (most bytes first) measured alone on CALIB_TEXT, and the bytes of
-    everything else as the converter stores it with ``opts`` (--weights int4: embedding and head
-    int8 g32, norms fp32)."""
+            log: Callable[[str], None] | None = None) -> dict[str, list[LayerChoice]]:
+    """Every planned linear's choices (most bytes first) measured alone on CALIB_TEXT, after the
+    embedding as the converter stores it with ``opts``."""
     from quant.calibrate import GPTQCalibrator, calibration_tokens
 
     tokens = calibration_tokens(source.tokenizer, Path(CALIB_TEXT), calib_tokens, calib_seqlen)
     calibrator = GPTQCalibrator(source.config, tokens)
+    calibrator.set_embedding(dense(convert_weight(source.load(EMBED), *target_format(EMBED, 2, opts),
+                                                  opts.fp16_scales, opts.ct_layout)))
     options: dict[str, list[LayerChoice]] = {}
-    fixed = 0
     for group in layer_groups(source.names):
+        if not (group and LAYER_NAME.match(group[0])):
+            continue
         olds = {name: source.load(name) for name in group}
-        if group and LAYER_NAME.match(group[0]):
-            index = int(LAYER_NAME.match(group[0]).group(1))
+        index = int(LAYER_NAME.match(group[0]).group(1))
 
-            def alone(name: str, h: torch.Tensor, layer: dict[str, Any] = olds) -> torch.Tensor:
-                w = dense(layer[name])
-                seen: dict[tuple[str, int], LayerChoice] = {}
-                for fmt, size in CHOICES:
-                    q = convert_weight(layer[name], fmt, size)  # as convert stores it (a source's g32 is kept)
-                    g = q.group_size if fmt == "int4" else None  # g64 where 128 does not divide K
-                    seen.setdefault((fmt, g), LayerChoice(name, fmt, g, q.nbytes, output_error(w, q, h)))
-                options[name] = undominated(seen.values())
-                return w  # the layer runs in float: the next layers' figures are theirs alone
+        def alone(name: str, h: torch.Tensor, layer: dict[str, Any] = olds) -> torch.Tensor:
+            w = dense(layer[name])
+            seen: dict[tuple[str, int], LayerChoice] = {}
+            for fmt, size in CHOICES:
+                # as convert stores it with opts (a source's g32 is kept; the compressed-tensors layout re-rounds)
+                q = convert_weight(layer[name], fmt, size, opts.fp16_scales, opts.ct_layout)
+                g = q.group_size if fmt == "int4" else None  # g64 where 128 does not divide K
+                seen.setdefault((fmt, g), LayerChoice(name, fmt, g, q.nbytes, output_error(w, q, h)))
+            options[name] = undominated(seen.values())
+            return w  # the layer runs in float: the next layers' figures are theirs alone
 
-            calibrator.run_layer(index, olds, alone)
-            if log:
-                log(f"measured layer {index}")
-        for name, old in olds.items():
-            if name in options:
-                continue
-            new = convert_weight(old, *target_format(name, old.dim() if isinstance(old, torch.Tensor) else 2,
-                                                     opts))
-            fixed += new.nbytes if isinstance(new, QuantizedTensor) else new.numel() * new.element_size()
-            if name == EMBED:
-                calibrator.set_embedding(dense(new))
-    return options, fixed
+        calibrator.run_layer(index, olds, alone)
+        if log:
+            log(f"measured layer {index}")
+    return options
+
+
+EXPORTS = ("edgeinfer", "compressed-tensors")  # --format values a plan can be written as
 
 
 def convert_to_budget(src: str | Path, dst: str | Path, opts: ConvertOptions, budget: Budget,
                       progress: Callable[[int, int, str], None] | None = None,
-                      log: Callable[[str], None] | None = None) -> tuple[ConvertReport, Plan]:
+                      log: Callable[[str], None] | None = None,
+                      export: str = "edgeinfer") -> tuple[ConvertReport, Plan]:
     """``edgeinfer quantize --budget``: measure, plan (printed), convert with the plan's precisions
-    and store the plan in the checkpoint's config.json."""
+    and store the plan in the checkpoint's config.json; ``export`` "compressed-tensors" plans
+    with that layout's rounding (integer zero points, fp16 scale values: what the folder holds)
+    and writes the folder, one config group per precision (quant.export_ctensors)."""
     log = log or (lambda line: print(line, file=sys.stderr))
-    check_destination(dst, opts.force)  # fail before the measurement
+    if export not in EXPORTS:
+        raise ValueError(f"--budget writes --format {' or '.join(EXPORTS)}, not {export} (GGUF's Q4_1 and Q8_0 "
+                         "hold groups of 32 only: no g64, g128 or per-row int8)")
+    write: Callable[..., ConvertReport] = convert
+    if export == "compressed-tensors":
+        from quant.export_ctensors import check_ct_destination, convert_to_ctensors
+
+        check_ct_destination(dst, opts.force)
+        opts, write = replace(opts, ct_layout=True), convert_to_ctensors
+    else:
+        check_destination(dst, opts.force)  # fail before the measurement
     source = open_source(src)
     budget = budget.for_model(source.config)
-    options, fixed = measure(source, opts)
-    plan = choose(options, fixed, budget, source.config)
+    smallest = smallest_plan(source, opts, budget)
+    require_fits(smallest)  # before the minutes of measurement
+    plan = choose(measure(source, opts), smallest.fixed_bytes, budget, source.config)
     log(plan.table())
     precisions = tuple((c.name, c.fmt, c.group) for c in plan.layers)
-    report = convert(src, dst, replace(opts, precisions=precisions, plan=json.dumps(plan.to_dict())), progress, log)
+    report = write(src, dst, replace(opts, precisions=precisions, plan=json.dumps(plan.to_dict())), progress, log)
     return report, plan

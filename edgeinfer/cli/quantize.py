@@ -61,7 +61,8 @@ def _quantize_parser() -> argparse.ArgumentParser:
                    help="plan a precision per linear layer (int8, int4 g32/g64/g128) from each layer's measured "
                         "error on calibration text so that weights + KV for --ctx x --parallel fit SIZE (1.5GB, "
                         "800MiB); the plan is printed and stored in the checkpoint (--weights names the format "
-                        "of everything else)")
+                        "of everything else); --format edgeinfer or compressed-tensors (one config group per "
+                        "precision)")
     p.add_argument("--ctx", type=positive_int, default=None, metavar="TOKENS",
                    help="with --budget: the longest sequence the server will hold (default: the model's "
                         f"context, at most {DEFAULT_CONTEXT}, as `edgeinfer serve`)")
@@ -124,13 +125,12 @@ def quantize_main(argv: list[str]) -> int:
             raise ValueError("--budget takes bytes (1.5GB, 800MiB), not a share of memory")
         if budget_bytes is None and (args.ctx, args.parallel, args.kv_dtype) != (None, RuntimeConfig.parallel, "fp16"):
             raise ValueError("--ctx, --parallel and --kv-dtype size the KV cache of a --budget plan; give --budget")
-        if budget_bytes is not None and args.format != "edgeinfer":
-            raise ValueError(f"--budget writes an edgeinfer checkpoint (--format edgeinfer), not {args.format}")
         if budget_bytes is not None:
             from quant.budget import Budget, convert_to_budget
 
             report, _ = convert_to_budget(src, args.dst, opts, Budget(budget_bytes, args.ctx, args.parallel,
-                                                                      args.kv_dtype), progress=shown)
+                                                                      args.kv_dtype), progress=shown,
+                                          export=args.format)
         elif args.format == "gguf":
             from quant.export_gguf import convert_to_gguf
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from test_awq import _logits
 from test_checkpoint import make_tiny_folder, tiny_tokenizer
 
 from edgeinfer.cli.quantize import quantize_main
+from edgeinfer.models.loader import load_model
 from quant.checkpoint import load_checkpoint
 from quant.convert import ConvertOptions, convert
 from quant.export_ctensors import convert_to_ctensors, export_ctensors
@@ -84,9 +86,10 @@ SCHEMES = {"int4 asymmetric g32": dict(num_bits=4, symmetric=False, strategy="gr
            "int8 per channel": dict(num_bits=8, symmetric=True, strategy="channel")}
 
 
-def _library_folder(tmp_path: Path, scheme: dict) -> Path:
-    """A folder packed by compressed-tensors itself from random codes, bf16 scales and zero points
-    (one scheme: transformers' dequantizing load applies the first config group to every layer)."""
+def _library_folder(tmp_path: Path, scheme: dict, q_proj_scheme: dict | None = None) -> Path:
+    """A folder packed by compressed-tensors itself from random codes, bf16 scales and zero points;
+    with ``q_proj_scheme``, the q_proj layers are packed with it and named exactly in a second
+    config group after the first's class target "Linear" (the most specific target wins)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file, save_file
@@ -94,9 +97,14 @@ def _library_folder(tmp_path: Path, scheme: dict) -> Path:
     src = make_tiny_folder(tmp_path / "src")
     tensors = load_file(str(src / "model.safetensors"))
     gen = torch.Generator().manual_seed(3)
-    args = QuantizationArgs(**scheme)
-    lo, hi = (-8, 7) if args.num_bits == 4 else (-128, 127)
+    exceptions: list[str] = []
     for name in [n for n in tensors if n.endswith(tuple(f"{p}.weight" for p in LINEARS))]:
+        if q_proj_scheme is not None and name.endswith("q_proj.weight"):
+            args = QuantizationArgs(**q_proj_scheme)
+            exceptions.append(name.removesuffix(".weight"))
+        else:
+            args = QuantizationArgs(**scheme)
+        lo, hi = (-8, 7) if args.num_bits == 4 else (-128, 127)
         n, k = tensors[name].shape
         num_groups = 1 if args.strategy == "channel" else k // args.group_size
         scale = (torch.rand(n, num_groups, generator=gen) * 0.02 + 0.001).bfloat16()
@@ -114,7 +122,11 @@ def _library_folder(tmp_path: Path, scheme: dict) -> Path:
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump()}}}
+        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"],
+                                                             "weights": QuantizationArgs(**scheme).model_dump()}}}
+    if exceptions:
+        cfg["quantization_config"]["config_groups"]["group_1"] = {
+            "targets": exceptions, "weights": QuantizationArgs(**q_proj_scheme).model_dump()}
     (src / "config.json").write_text(json.dumps(cfg))
     return src
 
@@ -140,6 +152,132 @@ def test_a_folder_the_library_packed_imports_exactly(tmp_path: Path, scheme: str
     _, converted = load_checkpoint(tmp_path / "ckpt")
     q = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(converted[q].qweight, ours[q].qweight) and torch.equal(dense(converted[q]), dense(ours[q]))
+
+
+# transformers 5.24 + compressed-tensors 0.20: the dequantizing load decompresses every dense layer
+# with the first config group (transformers.integrations.compressed_tensors.get_dense_scheme): a
+# layer of another group fails to load (RuntimeError: its scales do not fit) or, where its packed
+# shapes happen to fit, loads wrong values (AssertionError below). The compressed load matches groups
+# per layer but sizes asymmetric zero points unpacked (llm-compressor issue #1618), so no load of
+# transformers reads an asymmetric mixed folder. Strict: a fixed library turns these into failures.
+FIRST_GROUP_ONLY = pytest.mark.xfail(strict=True, raises=(RuntimeError, AssertionError), reason=(
+    "transformers' dequantizing load applies the first config group to every layer"))
+
+
+@pytest.mark.parametrize("dequantize", [False, pytest.param(True, marks=FIRST_GROUP_ONLY)])
+def test_mixed_groups_the_library_packed(tmp_path: Path, dequantize: bool) -> None:
+    """The minimal reproduction: two symmetric groups packed by compressed-tensors alone (q_proj int8
+    per channel, named exactly, after int4 g64 for "Linear"). The compressed load reads each layer
+    with its group; the dequantizing one does not. edgeinfer imports each layer with its group (the
+    exact name wins over "Linear", as in the library)."""
+    pytest.importorskip("transformers")
+    src = _library_folder(tmp_path, SCHEMES["int4 symmetric g64"], q_proj_scheme=SCHEMES["int8 per channel"])
+    _, ours = load_hf_folder(src)
+    for name, weight in ours.items():
+        if name.endswith("proj.weight"):
+            assert (weight.format, weight.group_size) == (("int8", 128) if "q_proj" in name else ("int4", 64)), name
+    model = _hf_load(src, dequantize=dequantize)
+    with torch.no_grad():
+        model(torch.tensor([[5, 77, 140]]))  # the compressed load decompresses on the first forward
+    state = model.state_dict()
+    for name, weight in ours.items():
+        # The compressed load multiplies in fp32 (the model's dtype), exactly as edgeinfer does;
+        # the dequantizing one in the scales' bf16, one correctly rounded product.
+        want = dense(weight) if not dequantize or not isinstance(weight, QuantizedTensor) else dense(
+            weight).bfloat16().float()
+        assert torch.equal(state[name].float(), want), name
+
+
+def _precision(args: dict) -> str:
+    return "int8" if args["num_bits"] == 8 else f"int4 g{args['group_size']}"
+
+
+def _mixed_plan(tmp_path: Path) -> tuple[Path, dict[str, str], dict]:
+    """The tiny model through ``edgeinfer quantize --budget --format compressed-tensors`` at a budget
+    halfway between its all-int8 and its smallest plan (measured as the command measures it): the
+    folder, its plan's precision per module, and the weights edgeinfer computes for that plan
+    (converted directly in the compressed-tensors layout)."""
+    from quant.budget import Budget, choose, measure, sizes
+    from quant.sources import open_source
+
+    src = make_tiny_folder(tmp_path / "src")
+    source, opts = open_source(src), ConvertOptions(weights="int4", ct_layout=True)
+    smallest, fixed = sizes(source, opts)
+    budget = Budget(10**9, 64, 1, "fp16").for_model(source.config)
+    options = measure(source, opts)
+    for name, choices in options.items():  # shapes alone give this layout's bytes too
+        assert smallest[name].nbytes == choices[-1].nbytes, name
+    largest = choose(options, fixed, budget, source.config)
+    middle = (largest.total_bytes + fixed + sum(c.nbytes for c in smallest.values()) + largest.kv_bytes) // 2
+    out = tmp_path / "out"
+    assert quantize_main([str(src), str(out), "--weights", "int4", "--budget", str(middle), "--ctx", "64",
+                          "--parallel", "1", "--format", "compressed-tensors", "-q"]) == 0
+    plan = json.loads((out / "config.json").read_text())["edgeinfer_plan"]
+    planned = {name.removesuffix(".weight"): precision for name, precision, _, _ in plan["layers"]}
+    assert len(set(planned.values())) >= 3, planned  # halfway: int8 and several int4 groups
+    precisions = tuple((f"{m}.weight", p.split()[0], int(p.split()[1][1:]) if " " in p else None)
+                       for m, p in planned.items())
+    convert(src, tmp_path / "ckpt", replace(opts, precisions=precisions), **QUIET)
+    _, ours = load_checkpoint(tmp_path / "ckpt")
+    for name, _, nbytes, _ in plan["layers"]:
+        assert ours[name].nbytes == nbytes, name  # the plan's bytes are these weights'
+    return out, planned, ours
+
+
+def test_a_mixed_budget_plan_exports_and_imports_exactly(tmp_path: Path) -> None:
+    out, planned, ours = _mixed_plan(tmp_path)
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    # every planned layer is named by exactly one group, the group of its precision
+    named = [(module, group["weights"]) for group in groups.values() for module in group["targets"]]
+    assert sorted(module for module, _ in named) == sorted(planned)
+    for module, args in named:
+        assert _precision(args) == planned[module], module
+        assert args["symmetric"] == (args["num_bits"] == 8) and args["strategy"] == (
+            "channel" if args["num_bits"] == 8 else "group"), module
+    assert len(groups) == len(set(planned.values()))
+    back = load_model(out).weights
+    assert back.keys() == ours.keys()
+    for name, weight in ours.items():
+        if name.removesuffix(".weight") in planned:
+            got = back[name]
+            assert (got.format, got.group_size) == (weight.format, weight.group_size), name
+            assert torch.equal(got.qweight, weight.qweight), name
+            assert torch.equal(got.scales.float(), weight.scales.float()), name
+            assert (got.mins is None) == (weight.mins is None), name
+            if weight.mins is not None:
+                assert torch.equal(got.mins.float(), weight.mins.float()), name
+        assert torch.equal(dense(back[name]), dense(weight)), name
+
+
+def test_a_mixed_budget_plan_in_compressed_tensors(tmp_path: Path) -> None:
+    """compressed-tensors' own decompressor, given each layer's group as its own match_targets picks
+    it from the folder's config, gives back exactly edgeinfer's weights, layer by layer."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_targets
+    from safetensors.torch import load_file
+
+    out, _, ours = _mixed_plan(tmp_path)
+    qcfg = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    target_to_scheme = {t: scheme for scheme in qcfg.config_groups.values() for t in scheme.targets}
+    tensors = load_file(str(out / "model.safetensors"))
+    modules = sorted(key.removesuffix(".weight_packed") for key in tensors if key.endswith(".weight_packed"))
+    assert modules and len({id(target_to_scheme[match_targets(m, torch.nn.Linear(1, 1), target_to_scheme)[0]])
+                            for m in modules}) >= 3
+    for module in modules:
+        scheme = target_to_scheme[match_targets(module, torch.nn.Linear(1, 1), target_to_scheme)[0]]
+        state = {k.removeprefix(f"{module}."): v for k, v in tensors.items() if k.startswith(f"{module}.weight_")}
+        weight = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+        assert torch.equal(weight.float(), dense(ours[f"{module}.weight"])), module
+
+
+@FIRST_GROUP_ONLY
+def test_a_mixed_budget_plan_in_transformers(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out, _, ours = _mixed_plan(tmp_path)
+    state = _hf_load(out, dequantize=True).state_dict()
+    for name, weight in ours.items():
+        assert torch.equal(state[name].float(), dense(weight)), name
 
 
 def _dead_pid() -> int:
