@@ -62,12 +62,13 @@ from transport.openai_schema import (
 from transport.openai_shapes import (
     Choice,
     Reply,
+    call_delta,
     chat_choice,
     completion_choice,
+    end_of_calls,
     logprobs_of,
     new_choices,
     timings_of,
-    tool_call_deltas,
     usage_of,
 )
 from transport.tool_calls import prepare_chat, template_family
@@ -258,13 +259,16 @@ class OpenAIApi:
                     choice = choices[index]
                     offset = sum(len(t) for t in choice.text) - len(event.text)  # text before this chunk
                     logprobs = logprobs_of(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
-                    text = choice.tool_calls.push(event.text) if choice.tool_calls else event.text
+                    text, calls = choice.tool_calls.push(event.text) if choice.tool_calls else (event.text, [])
                     delta = {"delta": {"content": text}} if reply.chat else {"text": text}
                     if text or logprobs:
                         yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs,
                                                    "finish_reason": None}])
+                    for call in calls:
+                        yield self._chunk(reply, [{"index": index, "delta": call_delta(call), "logprobs": None,
+                                                   "finish_reason": None}])
                 for index in ended:
-                    for delta in tool_call_deltas(choices[index], reply):
+                    for delta in end_of_calls(choices[index]):
                         yield self._chunk(reply, [{"index": index, "delta": delta, "logprobs": None,
                                                    "finish_reason": None}])
                     done = {"delta": {}} if reply.chat else {"text": ""}
