@@ -153,7 +153,7 @@ def test_calls_the_template_writes_parse_back_whole_and_streamed(family: str) ->
 # braces, brackets, a backslash before a brace, a surrogate pair written as escapes.
 LONG_ARGS = (r'{"path": "C:\\tmp\\{a}", "say": "he said \"}]\" and left", "nested": {"list": [1, 2.5e3, '
              r'{"x": null}], "t": true}, "emoji": "\ud83d\ude00 é", "n": -17}')
-SHORT_ARGS = '{"q": "</tool_call>; ]", "k": 2}'
+SHORT_ARGS = '{"q": "</tool_call>; ]", "k": 2, "e": "😀"}'
 STREAMED_ANSWERS = {  # (answer, content): every answer calls lookup(LONG_ARGS) then add(SHORT_ARGS)
     "hermes": [(f'Sure, checking.\n<tool_call>\n{{"name": "lookup", "arguments": {LONG_ARGS}}}\n</tool_call>\n'
                 f'<tool_call>\n{{"name": "add", "arguments": {SHORT_ARGS}}}\n</tool_call>', "Sure, checking.\n")],
