@@ -175,7 +175,8 @@ class OpenAIApi:
             if guide is not None:
                 raise invalid("tool_choice", f"tool_choice {body.tool_choice!r} forces a tool call; it cannot be "
                               f"combined with {guide_param}")
-            guide = tool_call_guide(family, tools, forced, body.parallel_tool_calls is not False)
+            guide = tool_call_guide(family, tools, self.server.engine.tokenizer, forced,
+                                    body.parallel_tool_calls is not False)
             guide_param = "tool_choice"
         params = sampling_params(body, guide, guide_param)
         reply = Reply(True, self.server.model_name, body.n, body.logprobs,

@@ -262,9 +262,10 @@ def test_generic_chat_describes_tools_and_writes_history() -> None:
     assert parse_tool_calls(messages[2]["content"], "generic")[1][1].name == "add"
 
 
-def byte_tokenizer() -> tuple[HFTokenizer, int]:
-    """A byte-level BPE without merges (every byte its own token) plus an end token: any text
-    tokenizes, so a guide can be walked over exactly the text a template writes."""
+def byte_tokenizer(*specials: str) -> tuple[HFTokenizer, int]:
+    """A byte-level BPE without merges (every byte its own token) plus an end token and these
+    special tokens: any text tokenizes, so a guide can be walked over exactly the text a template
+    writes."""
     from tokenizers import decoders, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -274,12 +275,26 @@ def byte_tokenizer() -> tuple[HFTokenizer, int]:
     backend = HFTokenizer(BPE(vocab, []))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|end|>"])
+    backend.add_special_tokens(["<|end|>", *specials])
     return backend, backend.token_to_id("<|end|>")
+
+
+def ours(backend: HFTokenizer, end: int) -> Tokenizer:
+    return Tokenizer(backend, bos_token_id=None, eos_token_id=end, add_bos=False, chat_template=None)
 
 
 def allowed(mask: bytes, token_id: int) -> bool:
     return bool(int.from_bytes(mask[4 * (token_id // 32):4 * (token_id // 32) + 4], "little") >> (token_id % 32) & 1)
+
+
+def mistral_turn(calls: list[dict[str, Any]]) -> str:
+    """The Mistral template's call syntax less the ids (which the guide leaves to the server)."""
+    text = assistant_turn(MISTRAL_V03, "mistral", calls)
+    without_ids = json.dumps([{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+                              for c in calls], ensure_ascii=False)
+    assert text.startswith("[TOOL_CALLS] [{") and json.loads(text.removeprefix("[TOOL_CALLS]")) == [
+        {**c, "id": call["id"]} for c, call in zip(json.loads(without_ids), calls, strict=True)]
+    return "[TOOL_CALLS] " + without_ids
 
 
 @pytest.mark.parametrize("family", list(FAMILY_TEMPLATES))
@@ -287,26 +302,45 @@ def test_required_guide_accepts_the_family_syntax_and_the_parser_reads_it(family
     from edgeinfer.core.guides import GuideCompiler
     from transport.tool_guides import tool_call_guide
 
-    backend, end = byte_tokenizer()
-    compiler = GuideCompiler(backend.to_str, backend.get_vocab_size(), [end])
-    weather = _call("Ab3dE6gh9", "get_weather", {"city": "Zürich", "unit": "c"})
-    add = _call("Zz9yY8xX7", "add", {"a": 17, "b": -4})
-    for calls, name, parallel in [([weather], None, True), ([weather], "get_weather", False),
-                                  ([weather, add], None, True), ([add], "add", True)]:
-        if family == "llama3" and len(calls) > 1:
-            continue
-        if family == "mistral":  # the guide leaves out the control token and the ids
-            text = json.dumps([{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
-                               for c in calls], ensure_ascii=False)
-        else:
-            text = assistant_turn(FAMILY_TEMPLATES[family][0], family, calls)
-        guide = compiler.guide(*tool_call_guide(family, TOOLS, name, parallel))
-        for token_id in backend.encode(text).ids:
-            assert allowed(guide.mask(), token_id), (family, text)
-            guide.advance(token_id)
-        assert guide.is_complete or allowed(guide.mask(), end)
-        assert [c.name for c in parse_tool_calls(text, family)[1]] == [c["function"]["name"] for c in calls]
+    # Mistral's [TOOL_CALLS]: a special token where the tokenizer has one, else plain text.
+    for backend, end in [byte_tokenizer(), *([byte_tokenizer("[TOOL_CALLS]")] if family == "mistral" else [])]:
+        tokenizer = ours(backend, end)
+        compiler = GuideCompiler(backend.to_str, backend.get_vocab_size(), [end])
+        weather = _call("Ab3dE6gh9", "get_weather", {"city": "Zürich", "unit": "c"})
+        add = _call("Zz9yY8xX7", "add", {"a": 17, "b": -4})
+        for calls, name, parallel in [([weather], None, True), ([weather], "get_weather", False),
+                                      ([weather, add], None, True), ([add], "add", True)]:
+            if family == "llama3" and len(calls) > 1:
+                continue
+            text = mistral_turn(calls) if family == "mistral" else assistant_turn(FAMILY_TEMPLATES[family][0],
+                                                                                   family, calls)
+            guide = compiler.guide(*tool_call_guide(family, TOOLS, tokenizer, name, parallel))
+            token_ids = backend.encode(text).ids
+            for token_id in token_ids:
+                assert allowed(guide.mask(), token_id), (family, text)
+                guide.advance(token_id)
+            assert guide.is_complete or allowed(guide.mask(), end)
+            decoded = tokenizer.decode(token_ids)  # as the engine streams it: special tokens dropped
+            assert [c.name for c in parse_tool_calls(decoded, family)[1]] == [c["function"]["name"] for c in calls]
     # A call of another tool than the one named, or a second call when not parallel, is refused.
     wrong = json.dumps({"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]})
-    guide = compiler.guide(*tool_call_guide("generic", TOOLS, "get_weather"))
+    guide = compiler.guide(*tool_call_guide("generic", TOOLS, tokenizer, "get_weather"))
     assert guide.num_valid(backend.encode(wrong).ids) < len(backend.encode(wrong).ids)
+
+
+def test_mistral_guide_writes_the_call_token_the_tokenizer_has() -> None:
+    from edgeinfer.core.guides import GuideCompiler
+    from transport.tool_guides import tool_call_guide
+
+    bare = json.dumps([{"name": "add", "arguments": {"a": 1, "b": 2}}])
+    for specials in [(), ("[TOOL_CALLS]",)]:
+        backend, end = byte_tokenizer(*specials)
+        tokenizer = ours(backend, end)
+        guide = GuideCompiler(backend.to_str, backend.get_vocab_size(), [end]).guide(
+            *tool_call_guide("mistral", TOOLS, tokenizer))
+        bare_ids = backend.encode(bare).ids  # never the bare array ("[" is the plain text's first byte too)
+        assert guide.num_valid(bare_ids) == (0 if specials else 1)
+        first = backend.encode("[TOOL_CALLS]").ids
+        assert len(first) == (1 if specials else len("[TOOL_CALLS]"))
+        assert [allowed(guide.mask(), t) for t in range(backend.get_vocab_size())].count(True) == 1
+        assert allowed(guide.mask(), first[0])  # the special token, or the text's first byte
