@@ -258,7 +258,7 @@ class OpenAIApi:
                 if isinstance(event, Token) and (event.text or reply.logprobs):
                     index = prompt_index * reply.n + event.index
                     choice = choices[index]
-                    offset = sum(len(t) for t in choice.text) - len(event.text)  # text before this chunk
+                    offset = choice.chars - len(event.text)  # text before this chunk
                     logprobs = logprobs_of(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
                     text, calls = choice.tool_calls.push(event.text) if choice.tool_calls else (event.text, [])
                     delta = {"delta": {"content": text}} if reply.chat else {"text": text}
@@ -300,6 +300,7 @@ class OpenAIApi:
         if isinstance(event, Token):
             choice = choices[base + event.index]
             choice.text.append(event.text)
+            choice.chars += len(event.text)
             choice.logprobs.extend(event.logprobs or ())
             self.server.counters["tokens_streamed"] += len(event.token_ids)
             return []

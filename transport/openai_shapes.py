@@ -19,6 +19,7 @@ class Choice:
     """One choice's text and logprobs as they stream in, and how it ended."""
 
     text: list[str] = field(default_factory=list)
+    chars: int = 0  # len("".join(text)), kept as it grows: summing it per token was quadratic
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     tool_calls: ToolCallStream | None = None  # a chat with tools: splits content from calls
