@@ -42,26 +42,33 @@ class CallDelta:
     name: str | None = None
 
 
+@dataclass(slots=True)
 class _Call:
-    """A call object met by the scanner; positions are in the scanner's text."""
+    """A call object met by the scanner; positions are in the scanner's text, -1 while unknown."""
 
-    def __init__(self, start: int) -> None:
-        self.start, self.end = start, -1
-        self.name: str | None = None
-        self.args_key: str | None = None
-        self.args_start = self.args_end = -1
-        self.args_string = False
-        self.sent_to = -1  # the arguments text taken so far ends here
-        self.pending = ""  # arguments taken but not yet sent (the call's first delta waits on them)
-        self.arguments = ""  # sent
-        self.index, self.id = -1, ""
+    start: int
+    end: int = -1
+    name: str | None = None
+    args_key: str | None = None
+    args_start: int = -1
+    args_end: int = -1
+    args_string: bool = False  # a JSON string holding the arguments object
+    sent_to: int = -1  # the arguments text taken so far ends here
+    pending: str = ""  # arguments taken but not yet sent (the call's first delta waits on its name)
+    arguments: str = ""  # sent
+    index: int = -1  # in the answer's calls once sent, or _SKIPPED
+    id: str = ""
 
 
+@dataclass(slots=True)
 class _Frame:
-    __slots__ = ("kind", "role", "state", "key", "start")
+    """An open object or array."""
 
-    def __init__(self, kind: str, role: str, state: str, start: int) -> None:
-        self.kind, self.role, self.state, self.key, self.start = kind, role, state, None, start
+    kind: str  # "{" or "["
+    role: str
+    state: str  # what may come next: "key0" / "key" / "colon" / "value" / "next", or "value0" / "value" / "next"
+    start: int
+    key: str | None = None  # the object's current key
 
 
 class CallScanner:
@@ -88,8 +95,10 @@ class CallScanner:
         self.out: list[CallDelta] = []
 
     def feed(self, text: str) -> list[CallDelta]:
-        self.text += text
         self.out = []
+        if self.failed or self.state == "done":
+            return self.out
+        self.text += text
         while self.pos < len(self.text) and not self.failed and self.state != "done":
             before = (self.pos, self.state, self.mode)
             if self.mode == "string":
@@ -124,9 +133,10 @@ class CallScanner:
                 arguments = json.loads(value) if isinstance(value, str) else value
                 if not isinstance(arguments, dict):
                     return False
-                if call.index >= 0 and (value if isinstance(value, str) else arguments) != (
-                        call.arguments if isinstance(value, str) else json.loads(call.arguments)):
-                    return False
+                if call.index >= 0:  # sent: the arguments sent are these
+                    sent = call.arguments if isinstance(value, str) else json.loads(call.arguments)
+                    if sent != value:
+                        return False
         except (ValueError, KeyError):
             return False
         return True
