@@ -62,12 +62,13 @@ from transport.openai_schema import (
 from transport.openai_shapes import (
     Choice,
     Reply,
+    call_delta,
     chat_choice,
     completion_choice,
+    end_of_calls,
     logprobs_of,
     new_choices,
     timings_of,
-    tool_call_deltas,
     usage_of,
 )
 from transport.tool_calls import prepare_chat, template_family
@@ -174,7 +175,8 @@ class OpenAIApi:
             if guide is not None:
                 raise invalid("tool_choice", f"tool_choice {body.tool_choice!r} forces a tool call; it cannot be "
                               f"combined with {guide_param}")
-            guide = tool_call_guide(family, tools, forced, body.parallel_tool_calls is not False)
+            guide = tool_call_guide(family, tools, self.server.engine.tokenizer, forced,
+                                    body.parallel_tool_calls is not False)
             guide_param = "tool_choice"
         params = sampling_params(body, guide, guide_param)
         reply = Reply(True, self.server.model_name, body.n, body.logprobs,
@@ -256,15 +258,18 @@ class OpenAIApi:
                 if isinstance(event, Token) and (event.text or reply.logprobs):
                     index = prompt_index * reply.n + event.index
                     choice = choices[index]
-                    offset = sum(len(t) for t in choice.text) - len(event.text)  # text before this chunk
+                    offset = choice.chars - len(event.text)  # text before this chunk
                     logprobs = logprobs_of(reply.chat, event.logprobs or (), tokenizer, offset) if tokenizer else None
-                    text = choice.tool_calls.push(event.text) if choice.tool_calls else event.text
+                    text, calls = choice.tool_calls.push(event.text) if choice.tool_calls else (event.text, [])
                     delta = {"delta": {"content": text}} if reply.chat else {"text": text}
                     if text or logprobs:
                         yield self._chunk(reply, [{"index": index, **delta, "logprobs": logprobs,
                                                    "finish_reason": None}])
+                    for call in calls:
+                        yield self._chunk(reply, [{"index": index, "delta": call_delta(call), "logprobs": None,
+                                                   "finish_reason": None}])
                 for index in ended:
-                    for delta in tool_call_deltas(choices[index], reply):
+                    for delta in end_of_calls(choices[index]):
                         yield self._chunk(reply, [{"index": index, "delta": delta, "logprobs": None,
                                                    "finish_reason": None}])
                     done = {"delta": {}} if reply.chat else {"text": ""}
@@ -295,6 +300,7 @@ class OpenAIApi:
         if isinstance(event, Token):
             choice = choices[base + event.index]
             choice.text.append(event.text)
+            choice.chars += len(event.text)
             choice.logprobs.extend(event.logprobs or ())
             self.server.counters["tokens_streamed"] += len(event.token_ids)
             return []

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgeinfer.core.events import TokenLogprob, Usage
-from transport.tool_calls import ToolCall, ToolCallStream
+from transport.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from transport.tool_scan import CallDelta
 
 
 @dataclass
@@ -18,6 +19,7 @@ class Choice:
     """One choice's text and logprobs as they stream in, and how it ended."""
 
     text: list[str] = field(default_factory=list)
+    chars: int = 0  # len("".join(text)), kept as it grows: summing it per token was quadratic
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     tool_calls: ToolCallStream | None = None  # a chat with tools: splits content from calls
@@ -56,47 +58,46 @@ def logprobs_of(chat: bool, entries: Any, tokenizer: Any, offset: int) -> dict[s
             "top_logprobs": [{t["token"]: t["logprob"] for t in top} for _, top in rows], "text_offset": offsets}
 
 
+def _max_calls(reply: Reply) -> int | None:
+    return None if reply.parallel_tool_calls else 1
+
+
 def new_choices(num: int, reply: Reply) -> list[Choice]:
     family = reply.tool_family
-    return [Choice(tool_calls=ToolCallStream(family) if family else None) for _ in range(num)]
-
-
-def _finish_calls(choice: Choice, reply: Reply) -> tuple[str, list[ToolCall]]:
-    """A finished choice's held content and its calls; a call ends the choice as `tool_calls`."""
-    if choice.tool_calls is None:
-        return "", []
-    rest, calls = choice.tool_calls.finish()
-    if not reply.parallel_tool_calls:
-        calls = calls[:1]
-    if calls:  # calls that parse were complete, even when a length limit ended the answer
-        choice.finish_reason = "tool_calls"
-    return rest, calls
+    return [Choice(tool_calls=ToolCallStream(family, _max_calls(reply)) if family else None) for _ in range(num)]
 
 
 def _call_dict(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def tool_call_deltas(choice: Choice, reply: Reply) -> list[dict[str, Any]]:
-    """The deltas a streamed choice ends with, as OpenAI streams calls: the held content, then per
-    call one delta with its index, id, type and name (arguments empty), then its arguments."""
-    rest, calls = _finish_calls(choice, reply)
-    deltas: list[dict[str, Any]] = [{"content": rest}] if rest else []
-    for i, call in enumerate(calls):
-        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
-    return deltas
+def call_delta(delta: CallDelta) -> dict[str, Any]:
+    """A streamed call's delta as OpenAI streams it: first index, id, type and name (arguments
+    empty), then index and a fragment of the arguments."""
+    if delta.id is None:
+        return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}
+    return {"tool_calls": [{"index": delta.index, "id": delta.id, "type": "function",
+                            "function": {"name": delta.name, "arguments": delta.arguments}}]}
+
+
+def end_of_calls(choice: Choice) -> list[dict[str, Any]]:
+    """The deltas a streamed choice with tools ends with (the content still held); a choice whose
+    calls were well formed to their end ends as `tool_calls`, even when a length limit ended it."""
+    if choice.tool_calls is None:
+        return []
+    rest = choice.tool_calls.finish()
+    if choice.tool_calls.complete:
+        choice.finish_reason = "tool_calls"
+    return [{"content": rest}] if rest else []
 
 
 def chat_choice(index: int, choice: Choice, tokenizer: Any, reply: Reply) -> dict[str, Any]:
-    text = "".join(choice.text)
+    text, calls = "".join(choice.text), []
     if choice.tool_calls is not None:
-        text = choice.tool_calls.push(text)
-    rest, calls = _finish_calls(choice, reply)
-    message: dict[str, Any] = {"role": "assistant", "content": (text + rest) or (None if calls else ""),
-                               "refusal": None}
+        text, calls = parse_tool_calls(text, choice.tool_calls.family, _max_calls(reply))
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
     if calls:
+        choice.finish_reason = "tool_calls"  # calls that parse were complete, even when a length limit ended the answer
         message["tool_calls"] = [_call_dict(c) for c in calls]
     return {"index": index, "message": message,
             "logprobs": logprobs_of(True, choice.logprobs, tokenizer, 0) if tokenizer else None,

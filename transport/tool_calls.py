@@ -13,10 +13,14 @@ Families, told apart by the template's own text:
   in a system message and the model answers `{"tool_calls": [{"name": ..., "arguments": {...}}]}`,
   so tools work on every model.
 Native families get the tools through the template's `tools` variable, as transformers'
-`apply_chat_template(tools=...)` passes them. Parsing is lenient in what it skips (whitespace,
-text after the calls) and strict in what it returns: a call is an object with a string name and
-object (or JSON-string) arguments, else the text stays content. Hand-written rather than taken
-from vLLM's tool parsers, which would bring vLLM itself.
+`apply_chat_template(tools=...)` passes them. `ToolCallStream` streams calls as OpenAI does (a
+call's name, then its arguments' text in fragments as the model writes it; transport.tool_scan
+reads the calls); `parse_tool_calls` takes a whole answer through the same path, so the two give
+the same arguments: the model's own text of the arguments object. Parsing is lenient in what it
+skips (whitespace, text after the calls) and strict in what it returns: a call is an object with a
+string name and object (or JSON-string) arguments, else the text stays content (a stream that has
+sent a call cannot take it back). Hand-written rather than taken from vLLM's tool parsers, which
+would bring vLLM itself.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from __future__ import annotations
 import json
 import secrets
 import string
+import sys
 from dataclasses import dataclass
 from typing import Any
+
+from transport.tool_scan import CallDelta, CallScanner
 
 FAMILIES = ("hermes", "llama3", "mistral", "generic")
 # Where a call may begin: anywhere (hermes) or only at the start of the answer (the others). A
 # start marker that is a single character ("{", "[") decides early: plain text held for it is
 # released as soon as it cannot be a call.
-_MARKERS = {"hermes": ("<tool_call>",), "llama3": ("<|python_tag|>", "{"),
+MARKERS = {"hermes": ("<tool_call>",), "llama3": ("<|python_tag|>", "{"),
             "mistral": ("[TOOL_CALLS]", "["), "generic": ("{",)}
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -123,106 +130,98 @@ def _generic_system_text(tools: list[dict[str, Any]]) -> str:
 
 
 class ToolCallStream:
-    """Splits a streaming answer into content (released as soon as it cannot start a call) and
-    calls (held until the answer ends, then parsed). One per choice."""
+    """Splits one choice's answer, as it streams, into content (released as soon as it cannot
+    start a call) and call deltas in OpenAI's streaming shape (transport.tool_scan). A call is
+    sent as soon as it starts; an answer that turns malformed after that (cut by max_tokens,
+    broken JSON) keeps what was sent, as OpenAI's own streams do, and `complete` is False."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, max_calls: int | None = None) -> None:
         if family not in FAMILIES:
             raise ValueError(f"unknown tool call family {family!r} (one of {', '.join(FAMILIES)})")
         self.family = family
-        self._markers = _MARKERS[family]
-        self._anywhere = family == "hermes"
-        self._held = ""
-        self._state = "undecided"  # -> "content" (no call possible) or "call" (buffering to the end)
+        self._markers = MARKERS[family]
+        self._max_calls = sys.maxsize if max_calls is None else max_calls
+        self._held = ""  # content, unless it turns out to be calls
+        self._state = "undecided"  # -> "content" (no call possible) or "calls" (scanning them)
+        self._scanner: CallScanner | None = None
 
-    def push(self, text: str) -> str:
-        """The content that may be sent now."""
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls sent so far, each with the arguments sent so far."""
+        if self._scanner is None:
+            return []
+        return [ToolCall(c.id, c.name or "", c.arguments) for c in self._scanner.calls if c.index >= 0]
+
+    @property
+    def complete(self) -> bool:
+        """Whether the answer pushed so far is calls, each well formed to its end."""
+        return self._scanner is not None and self._scanner.sent > 0 and self._scanner.well_formed
+
+    def push(self, text: str) -> tuple[str, list[CallDelta]]:
+        """(the content that may be sent now, the call deltas to send after it)."""
+        if self._state == "calls":
+            assert self._scanner is not None
+            if not self._scanner.sent:
+                self._held += text
+            return self._scan(text, "")
+        if self._state == "content":
+            return text, []
         self._held += text
-        if self._state == "call":
-            return ""
-        if self._anywhere:
+        if self.family == "hermes":
             return self._push_anywhere()
-        if self._state == "undecided":
-            start = self._held.lstrip()
-            if not start or any(m.startswith(start) for m in self._markers):
-                return ""  # may still become a call
-            if any(start.startswith(m) for m in self._markers):
-                self._state = "call"
-                return ""
+        start = self._held.lstrip()
+        if not start or any(m.startswith(start) for m in self._markers):
+            return "", []  # may still become a call
+        marker = next((m for m in self._markers if start.startswith(m)), None)
+        if marker is None:
             self._state = "content"
-        out, self._held = self._held, ""
-        return out
+            out, self._held = self._held, ""
+            return out, []
+        # A one-character marker ("{", "[") is the call's own first character.
+        return self._start(start[len(marker):] if len(marker) > 1 else start, "")
 
-    def _push_anywhere(self) -> str:
+    def _push_anywhere(self) -> tuple[str, list[CallDelta]]:
         marker = self._markers[0]
         at = self._held.find(marker)
         if at >= 0:
-            out, self._held, self._state = self._held[:at], self._held[at:], "call"
-            return out
+            content, self._held = self._held[:at], self._held[at:]
+            return self._start(self._held[len(marker):], content)
         keep = next((k for k in range(min(len(marker) - 1, len(self._held)), 0, -1)
                      if marker.startswith(self._held[-k:])), 0)
         cut = len(self._held) - keep
         out, self._held = self._held[:cut], self._held[cut:]
-        return out
+        return out, []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content still held, the calls) once the answer has ended."""
+    def _start(self, call_text: str, content: str) -> tuple[str, list[CallDelta]]:
+        self._state = "calls"
+        self._scanner = CallScanner(self.family, self._max_calls, lambda: new_call_id(self.family),
+                                    self._markers[0])
+        return self._scan(call_text, content)
+
+    def _scan(self, text: str, content: str) -> tuple[str, list[CallDelta]]:
+        scanner = self._scanner
+        assert scanner is not None
+        deltas = scanner.feed(text)
+        if scanner.sent:
+            self._held = ""  # calls now: nothing held goes back to content
+        elif scanner.failed:  # not a call after all, and the rest of the answer is content too
+            content, self._held, self._state = content + self._held, "", "content"
+        return content, deltas
+
+    def finish(self) -> str:
+        """The content still held once the answer has ended: held text that never became a call."""
         held, self._held = self._held, ""
-        if self._state != "call":
-            return held, []
-        calls = _parse_calls(held, self.family)
-        if not calls:
-            return held, []
-        return "", [ToolCall(new_call_id(self.family), name, arguments) for name, arguments in calls]
+        return held
 
 
-def parse_tool_calls(text: str, family: str) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a whole answer; no calls: the text is all content."""
-    stream = ToolCallStream(family)
-    content = stream.push(text)
-    rest, calls = stream.finish()
-    return content + rest, calls
-
-
-def _parse_calls(text: str, family: str) -> list[tuple[str, str]]:
-    """(name, arguments JSON) of each call in held text that begins with the family's marker."""
-    decoder = json.JSONDecoder()
-    text = text.strip()
-    found: list[Any] = []
-    try:
-        if family == "hermes":
-            for part in text.split("<tool_call>")[1:]:
-                obj, _ = decoder.raw_decode(part.strip())
-                found.append(obj)
-        elif family == "llama3":
-            text = text.removeprefix("<|python_tag|>").strip()
-            while text:  # several calls come separated by ";"
-                obj, end = decoder.raw_decode(text)
-                found.append(obj)
-                text = text[end:].strip().removeprefix(";").strip()
-                if not text.startswith("{"):
-                    break
-        elif family == "mistral":
-            obj, _ = decoder.raw_decode(text.removeprefix("[TOOL_CALLS]").strip())
-            found = obj if isinstance(obj, list) else [obj]
-        else:  # the wrapper asked for, or a bare call as small models often write it
-            obj, _ = decoder.raw_decode(text)
-            found = obj.get("tool_calls", [obj] if "name" in obj else None) if isinstance(obj, dict) else None
-            if not isinstance(found, list):
-                return []
-    except ValueError:
-        return []
-    calls = []
-    for obj in found:
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return []
-        arguments = obj.get("parameters" if family == "llama3" and "parameters" in obj else "arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return []
-        if not isinstance(arguments, dict):
-            return []
-        calls.append((obj["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls
+def parse_tool_calls(text: str, family: str, max_calls: int | None = None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole answer, through the same scanner as a stream, so the arguments
+    are those a stream sends; strict: unless every call is well formed, the text is all content."""
+    stream = ToolCallStream(family, max_calls)
+    content, _ = stream.push(text)
+    content += stream.finish()
+    if not stream.calls:
+        return content, []
+    if not stream.complete:
+        return text, []
+    return content, stream.calls

@@ -17,6 +17,7 @@ import openai
 import pytest
 from echo_engine import EchoEngine
 from live_server import MODEL, TOKEN, LiveServer, serve_model
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from transport.server import Server, ServerConfig
 
@@ -56,16 +57,23 @@ def test_calls_in_openais_shape_whole_and_streamed_on_the_echo_engine() -> None:
             chunks = [c async for c in await client.chat.completions.create(**kwargs, stream=True)]
             deltas = [c.choices[0].delta for c in chunks if c.choices]
             assert "".join(d.content or "" for d in deltas) == ""
-            streamed: dict[int, dict[str, str]] = {}
+            fragments: dict[int, list[str]] = {}
             for d in deltas:
                 for tc in d.tool_calls or ():
-                    entry = streamed.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
-                    if tc.id:
-                        assert not entry["id"] and tc.type == "function" and tc.function.name
-                        entry["id"], entry["name"] = tc.id, tc.function.name
-                    entry["arguments"] += tc.function.arguments or ""
-            assert [(e["name"], json.loads(e["arguments"])) for e in streamed.values()] == [
-                (c.function.name, json.loads(c.function.arguments)) for c in calls]
+                    if tc.id:  # a call's first delta: its name, no arguments yet
+                        assert tc.index not in fragments and tc.type == "function" and tc.function.name
+                        assert tc.function.arguments == ""
+                        fragments[tc.index] = []
+                    else:
+                        assert tc.id is None and tc.function.name is None and tc.function.arguments
+                        fragments[tc.index].append(tc.function.arguments)
+            assert list(fragments) == [0, 1] and all(len(f) > 1 for f in fragments.values())  # as they come
+            state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+            for chunk in chunks:
+                state.handle_chunk(chunk)
+            accumulated = state.get_final_completion().choices[0].message.tool_calls
+            assert [(c.function.name, c.function.arguments) for c in accumulated] == [
+                (c.function.name, c.function.arguments) for c in calls]  # the same text, not just the same JSON
             assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
                 "tool_calls"]
             # Plain text with tools on: content, as it streams; tool_choice none: never parsed.
