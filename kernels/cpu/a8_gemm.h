@@ -41,8 +41,9 @@ struct A8Problem {
   const uint8_t* x;      // (M, K) codes: int8, or for the VNNI int8 kernels int8 + 128 as uint8
   const float* x_scale;  // (M, K / U)
   const float* x_gsum;   // (M, groups); null without mins
-  float* y;              // (M, N)
+  float* y;              // (M / terms, N): with two terms, rows 2r and 2r + 1 are summed into y row r
   int64_t m, n, k, group;
+  int64_t terms;
   bool int4;
   bool half;  // scales and mins are fp16
 };

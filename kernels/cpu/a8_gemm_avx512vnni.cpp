@@ -40,6 +40,7 @@ inline void store_f(float* p, Vf v) { _mm512_storeu_ps(p, v); }
 inline Vf to_f(Vi v) { return _mm512_cvtepi32_ps(v); }
 inline Vf fmadd_f(Vf a, Vf b, Vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vf mul_f(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
+inline Vf add_f(Vf a, Vf b) { return _mm512_add_ps(a, b); }
 
 }  // namespace
 

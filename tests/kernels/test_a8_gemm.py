@@ -66,7 +66,7 @@ def test_a8_gemm_matches_reference(isa, fmt, n, k, group, m):
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("fmt,group,mins", [("int4", 32, True), ("int4", 64, True), ("int8", 16, True),
                                             ("int8", 32, False)])
-@pytest.mark.parametrize("m", [1, 3, 10])
+@pytest.mark.parametrize("m", [1, 3, 10, 37])  # 37: rows quantized on both threads
 def test_two_term_activations_match_reference_and_come_near_the_exact_product(isa, fmt, group, mins, m):
     weight = _weight(fmt, 45, 576, group, seed=m + group, mins=mins)
     x = _x(m, 576, seed=m + 7)
