@@ -14,7 +14,7 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
-CPU_ACTIVATIONS = ("int16", "int8", "int8x2")  # how the CPU kernels round activations (kernels.dispatch)
+CPU_ACTIVATIONS = ("auto", "int16", "int8", "int8x2")  # how the CPU kernels round activations (kernels.dispatch)
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
@@ -203,10 +203,12 @@ class RuntimeConfig:
     # exact, the log-probabilities of other tokens are not (default model: perplexity 47.21
     # against 46.58), for a faster decode.
     exact_head: bool = False
-    # int8: the int8-activation (VNNI) GEMMs on the CPU's quantized linears, rows rounded to int8
-    # with one scale each (kernels.cpu_a8; fast from 2 rows on); int16: the int16-activation
-    # kernels, a scale per 4 values, the accuracy reference.
-    cpu_activations: str = "int16"
+    # int16: the int16-activation kernels, a scale per 4 values, the accuracy reference; int8: the
+    # int8-activation (VNNI) GEMMs on the CPU's quantized linears, a scale per 32 values
+    # (kernels.cpu_a8; llama.cpp's rounding, +0.5% perplexity); int8x2: x and its rounding
+    # residual as two int8 terms, int16's accuracy through the same GEMMs; auto: int8x2 where the
+    # CPU has VNNI, else int16 (kernels.dispatch.resolve_cpu_activations).
+    cpu_activations: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -104,8 +104,9 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
                    help="auto: int4 CPU kernels / Triton on CUDA; reference: exact fp32")
     p.add_argument("--cpu-activations", default=RuntimeConfig.cpu_activations, choices=CPU_ACTIVATIONS,
                    help="how the CPU int4/int8 kernels round activations: int16 per 4 values (the accuracy "
-                        "reference), int8 per 32 (VNNI GEMMs: fastest, +0.5%% perplexity) or int8x2 (x and its "
-                        "rounding residual in int8: int16's accuracy through the VNNI GEMMs) (default: %(default)s)")
+                        "reference), int8 per 32 (VNNI GEMMs: fastest, +0.5%% perplexity, llama.cpp's rounding), "
+                        "int8x2 (x and its rounding residual in int8: int16's accuracy through the VNNI GEMMs) or "
+                        "auto (int8x2 where the CPU has VNNI, else int16) (default: %(default)s)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
                    help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")

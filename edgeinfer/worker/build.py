@@ -22,7 +22,7 @@ from edgeinfer.worker.kv_calibration import calibration_ids
 from edgeinfer.worker.kv_pools import bytes_per_token, kv_pool
 from edgeinfer.worker.memory_plan import MemoryPlan, check_budget_plan, tensor_bytes
 from edgeinfer.worker.model_runner import ModelRunner
-from kernels.dispatch import choose_backend
+from kernels.dispatch import choose_backend, resolve_cpu_activations
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,11 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
     device = resolve_device(runtime)
     if runtime.num_threads:
         torch.set_num_threads(runtime.num_threads)
-    backend = choose_backend(runtime.linear_path, device, int8_activations=runtime.cpu_activations != "int16",
-                             a8_terms=2 if runtime.cpu_activations == "int8x2" else 1)
+    activations = resolve_cpu_activations(runtime.cpu_activations, device)
+    backend = choose_backend(runtime.linear_path, device, int8_activations=activations != "int16",
+                             a8_terms=2 if activations == "int8x2" else 1)
+    if backend.linear_path == "int4_cpu":
+        log.info("CPU activations: %s%s", activations, " (auto)" if runtime.cpu_activations == "auto" else "")
     # The quantized head with exact refinement only pays on the CPU int4 path.
     head_format = "int4" if backend.linear_path == "int4_cpu" and not runtime.exact_head else "same"
     return LlamaModel(loaded.config, loaded.weights, backend, head_format=head_format,

@@ -129,6 +129,17 @@ def test_isa_override(monkeypatch):
         cpu_a8.default_isa.__wrapped__()
 
 
+def test_auto_activations_are_int8x2_with_vnni_else_int16(monkeypatch):
+    from kernels.dispatch import resolve_cpu_activations
+
+    cpu = torch.device("cpu")
+    for isa, expected in (("avx512vnni", "int8x2"), ("avxvnni", "int8x2"), ("avx2", "int16")):
+        monkeypatch.setattr(cpu_a8, "default_isa", lambda isa=isa: isa)
+        assert resolve_cpu_activations("auto", cpu) == expected
+        assert resolve_cpu_activations("int8", cpu) == "int8"  # asked for: as asked
+    assert resolve_cpu_activations("auto", torch.device("cuda")) == "int16"  # the CPU kernels' setting only
+
+
 def test_unsupported_weights_and_shapes_raise():
     with pytest.raises(ValueError, match="int8-activation"):
         cpu_a8.prepare_a8(quantize_int8(torch.randn(8, 48), 16))  # K not a multiple of 32
