@@ -46,17 +46,20 @@ def load_model(path: str | Path) -> LoadedModel:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelFileError(f"{path} is a folder without config.json: not a model")
-    if "edgeinfer_format" in json.loads(config_path.read_text()):
+    raw = json.loads(config_path.read_text())
+    if "edgeinfer_format" in raw:
         from quant.checkpoint import load_checkpoint
 
         config, weights = load_checkpoint(path)
-        plan = json.loads(config_path.read_text()).get("edgeinfer_plan") or {}
         loaded = _with_stop_ids(config, weights, Tokenizer.from_folder(path), "edgeinfer")
-        return dataclasses.replace(loaded, budget_plan=tuple((k, v) for k, v in plan.items() if k != "layers"))
-    from quant.hf_import import load_hf_folder
+    else:
+        from quant.hf_import import load_hf_folder
 
-    config, weights = load_hf_folder(path)
-    return _with_stop_ids(config, weights, Tokenizer.from_folder(path), "hf")
+        config, weights = load_hf_folder(path)
+        loaded = _with_stop_ids(config, weights, Tokenizer.from_folder(path), "hf")
+    # A budget plan goes with its weights into an exported compressed-tensors folder as well.
+    plan = raw.get("edgeinfer_plan") or {}
+    return dataclasses.replace(loaded, budget_plan=tuple((k, v) for k, v in plan.items() if k != "layers"))
 
 
 def _with_stop_ids(config: ModelConfig, weights: Mapping[str, torch.Tensor | QuantizedTensor], tokenizer: Tokenizer,

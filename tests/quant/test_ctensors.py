@@ -235,7 +235,11 @@ def test_a_mixed_budget_plan_exports_and_imports_exactly(tmp_path: Path) -> None
         assert args["symmetric"] == (args["num_bits"] == 8) and args["strategy"] == (
             "channel" if args["num_bits"] == 8 else "group"), module
     assert len(groups) == len(set(planned.values()))
-    back = load_model(out).weights
+    loaded = load_model(out)
+    plan = json.loads((out / "config.json").read_text())["edgeinfer_plan"]
+    # the server checks the exported plan against its machine, as it does a checkpoint's
+    assert dict(loaded.budget_plan) == {k: v for k, v in plan.items() if k != "layers"} and loaded.budget_plan
+    back = loaded.weights
     assert back.keys() == ours.keys()
     for name, weight in ours.items():
         if name.removesuffix(".weight") in planned:
