@@ -14,7 +14,7 @@
 Wraps the engine's internals with timers (private attributes): a measurement tool, not an API.
 
     python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
-                                      [--streams 16] [--cpu-activations int16|int8|int8x2]
+                                      [--streams 16] [--cpu-activations auto|int16|int8|int8x2]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgeinfer.config import RuntimeConfig, SchedulerConfig  # noqa: E402
+from edgeinfer.config import CPU_ACTIVATIONS, RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
 from edgeinfer.engine.api import Engine, EngineConfig  # noqa: E402
@@ -51,7 +51,7 @@ def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, streams: int = 1,
-                         cpu_activations: str = "int16") -> None:
+                         cpu_activations: str = RuntimeConfig.cpu_activations) -> None:
     runtime = RuntimeConfig(num_kv_blocks=64 * streams, cpu_activations=cpu_activations)
     config = EngineConfig(str(default_model_path()), runtime, SchedulerConfig())
     async with Engine(config) as engine:
@@ -136,7 +136,7 @@ def main() -> int:
     parser.add_argument("--per-op", action="store_true",
                         help="step: the per-op forward instead of the fused C++ step (the fallback's cost)")
     parser.add_argument("--streams", type=int, default=1, help="step: concurrent requests (default: 1)")
-    parser.add_argument("--cpu-activations", choices=("int16", "int8", "int8x2"), default="int16")
+    parser.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations)
     args = parser.parse_args()
     if args.what in ("threads", "all"):
         gemm_on_threads()
