@@ -106,7 +106,7 @@ def resolve_cpu_activations(requested: str, device: torch.device) -> str:
     """RuntimeConfig.cpu_activations as it runs: "auto" is int8x2 on a CPU with VNNI, else int16.
     int8x2 has int16's accuracy (default model: perplexity 46.584 vs 46.583, 8 of 8 prompts x 32
     greedy tokens identical) and, on an AVX512-VNNI Xeon (docs/BENCHMARKS.md, 2026-11-26),
-    decodes the default model 1.26x (one stream) and 1.55x (16 streams) as fast, its prefill on a
+    decodes the default model 1.25-1.47x (one stream) and 2.08x (16 streams) as fast, its prefill on a
     par; a 1.7B Q4_K_M, bound by memory, decodes 0.89x and prefills 1.10x as fast."""
     if requested != "auto":
         return requested
