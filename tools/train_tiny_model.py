@@ -36,16 +36,24 @@ from edgeinfer.models.tokenizer import Tokenizer  # noqa: E402
 
 DEFAULT_TEXT = str(REPO.parent / "shared" / "data" / "tinyshakespeare.txt")
 EOS = "<|endoftext|>"  # Qwen2's own end-of-text token; like Qwen2, no BOS is added
+# Qwen2's pre-tokenizer split: transformers loads a qwen2 folder's tokenizer as Qwen2Tokenizer,
+# which imposes this split whatever tokenizer.json says, so training with it keeps transformers'
+# and edgeinfer's token ids identical.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
     """A byte-level BPE (as Qwen2's and GPT-2's) trained on ``text``, wrapped as edgeinfer's
     Tokenizer so that its save() writes the files edgeinfer and transformers read."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
     backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     # The full byte alphabet: any text (not only Shakespeare's characters) encodes without <unk>.
