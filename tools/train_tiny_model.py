@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -111,6 +112,10 @@ def save_folder(model: torch.nn.Module, tokenizer: Tokenizer, out: Path, extra: 
                    "model_max_length": model.config.max_position_embeddings}
     config_path.write_text(json.dumps(tok_config, indent=1))
     (tmp / "training.json").write_text(json.dumps(extra, indent=1))
+    # mkdtemp makes the folder owner-only; the model is meant to be read by others' tools too.
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
