@@ -1,7 +1,8 @@
-"""Quality and cost of each weight format for the default model: prints a markdown table (or --json).
+"""Quality and cost of each weight format for a model: prints a markdown table (or --json).
 
-Rows: fp32 (every weight dequantized from the GGUF), the GGUF itself, and edgeinfer checkpoints
-converted from it by ``edgeinfer quantize``: int8 (per row), int4 round-to-nearest g128/g64/g32
+--model is any source ``edgeinfer quantize`` accepts (GGUF file, HF folder; --gguf is its old
+name). Rows: fp32 (every weight dequantized from the source), the source itself, and edgeinfer
+checkpoints converted from it by ``edgeinfer quantize``: int8 (per row), int4 round-to-nearest g128/g64/g32
 (g32 = the GGUF's Q4_1 bits), int4 g128 GPTQ, AWQ and AWQ+GPTQ, nf4 g64, and a ``--budget`` plan
 at each of --budgets (for --budget-ctx tokens x 1 sequence, fp16 KV; its row says the plan's
 mix of precisions). Columns: perplexity on the first --tokens tokens of the text in --window
@@ -12,7 +13,7 @@ ru_maxrss). GPTQ and AWQ calibrate on --calib-tokens of the text's second half, 
 the scored slice; a budget plan measures its layers on the bundled calibration text
 (quant.budget).
 
-    .venv/bin/python tools/quant_report.py [--tokens 4096] [--calib-tokens 4096] [--json]
+    .venv/bin/python tools/quant_report.py [--model SRC] [--tokens 4096] [--calib-tokens 4096] [--json]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from edgeinfer.config import RuntimeConfig  # noqa: E402
+from edgeinfer.config import ModelConfig, RuntimeConfig  # noqa: E402
 from edgeinfer.models.llama import LlamaModel  # noqa: E402
 from edgeinfer.models.loader import LoadedModel, load_model  # noqa: E402
 from edgeinfer.worker.batch import SeqChunk  # noqa: E402
@@ -96,6 +97,28 @@ def _plan_mix(checkpoint: Path) -> str:
     return ", ".join(f"{n} {precision}" for precision, n in sorted(counts.items()))
 
 
+def _source_formats(loaded: LoadedModel) -> str:
+    """The source's linear weights' formats (a GGUF's quantized formats, or a folder's dtypes)."""
+    formats = collections.Counter(
+        f"{w.format} g{w.group_size}" if isinstance(w, QuantizedTensor) else str(w.dtype).removeprefix("torch.")
+        for name, w in loaded.weights.items() if name.startswith("model.layers.") and len(w.shape) == 2
+    )
+    return "/".join(f for f, _ in formats.most_common())
+
+
+def _g128_footnote(config: ModelConfig) -> str:
+    """Which linears the *g128 rows hold at g128: the converter falls back to g64 where 128 does
+    not divide a linear's input size K."""
+    ks = {"hidden": config.hidden_size, "intermediate (down_proj)": config.intermediate_size,
+          "heads x head_dim (o_proj)": config.num_heads * config.head_dim}
+    odd = {name: k for name, k in ks.items() if k % 128}
+    if not odd:
+        return "*g128 everywhere (every K is a multiple of 128: " + ", ".join(f"{n} {k}" for n, k in ks.items()) + ")."
+    fine = [f"{n}, K={k}" for n, k in ks.items() if n not in odd]
+    return (f"*g128 where it divides K ({'; '.join(fine) or 'nowhere'}), g64 where "
+            + ", ".join(f"K={k}" for k in sorted(set(odd.values()))) + " (not a multiple of 128).")
+
+
 def _decode_tok_s(loaded: LoadedModel, num_tokens: int) -> float:
     """Batch-1 decode speed as the engine builds the model (build_model, default RuntimeConfig:
     int4_cpu path, int4 head with exact refinement). 1 / median step time: the machine is
@@ -137,7 +160,8 @@ def _measure(path: str, token_ids: list[int], args: argparse.Namespace, dequanti
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gguf", default=DEFAULT_GGUF)
+    p.add_argument("--model", "--gguf", dest="model", default=DEFAULT_GGUF,
+                   help="source: GGUF file or HF folder, as `edgeinfer quantize` takes it (default: the default model)")
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--tokens", type=int, default=4096, help="tokens scored (default 4096)")
     p.add_argument("--window", type=int, default=512)
@@ -155,20 +179,23 @@ def main(argv: list[str] | None = None) -> int:
     text = Path(args.text).read_text(encoding="utf-8")
     calib = work / "calib.txt"
     calib.write_text(text[len(text) // 2 :])  # disjoint from the scored slice at the start
-    gguf = load_model(args.gguf)
-    token_ids = text_tokens(gguf.tokenizer, args.text, args.tokens)
-    fp32_bytes = sum(int(torch.Size(w.shape).numel()) * 4 for w in gguf.weights.values())
-    del gguf
+    source = load_model(args.model)
+    token_ids = text_tokens(source.tokenizer, args.text, args.tokens)
+    fp32_bytes = sum(int(torch.Size(w.shape).numel()) * 4 for w in source.weights.values())
+    kind = {"gguf": "GGUF", "hf": "HF folder"}.get(source.source, source.source)
+    footnote = _g128_footnote(source.config)
+    source_label = f"{kind} {_source_formats(source)} (source)"
+    del source
     rows: list[dict] = []
     rows.append(
-        {"format": "fp32 (from GGUF)", "file_bytes": fp32_bytes, **_measure(args.gguf, token_ids, args, True)}
+        {"format": f"fp32 (from {kind})", "file_bytes": fp32_bytes, **_measure(args.model, token_ids, args, True)}
     )
     rows[-1]["load_s"] = None  # dequantized in memory, never a file
     rows.append(
         {
-            "format": "GGUF Q4_1 (source)",
-            "file_bytes": _size(Path(args.gguf)),
-            **_measure(args.gguf, token_ids, args),
+            "format": source_label,
+            "file_bytes": _size(Path(args.model)),
+            **_measure(args.model, token_ids, args),
         }
     )
     conversions = {name: CONVERSIONS[name] for name in args.rows}
@@ -181,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--calib-data", str(calib), "--calib-tokens", str(args.calib_tokens),
                       "--calib-seqlen", str(min(512, args.calib_tokens))]
         dst = work / name.replace(" ", "_").replace("+", "_").strip("-*")
-        seconds, rss = _convert(args.gguf, dst, extra)
+        seconds, rss = _convert(args.model, dst, extra)
         rows.append(
             {
                 "format": f"{name} ({_plan_mix(dst)})" if "--budget" in extra else name,
@@ -209,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Perplexity on the first {args.tokens} tokens of {Path(args.text).name} "
         f"({args.window}-token windows); GPTQ and AWQ calibrated on {args.calib_tokens} tokens of the text's "
         f"second half; --budget plans for {args.budget_ctx} tokens x 1 (fp16 KV), measured on the bundled "
-        f"calibration text; {settings['threads']} threads. *g128 where it divides K (down_proj, K=1536), "
-        "g64 where K=576 (576 is not a multiple of 128).\n"
+        f"calibration text; {settings['threads']} threads. {footnote}\n"
     )
     print("| format | perplexity | vs fp32 | file MB | load s | decode tok/s | convert s | convert peak RSS MiB |")  # noqa: E501
     print("|---|---|---|---|---|---|---|---|")
