@@ -21,12 +21,13 @@ Linear layers: weight -> kernel-ready form (once, at load, ``prepare_linear``) -
   rounding) up to ``CPU_KERNEL_MAX_M`` rows, dequantize into the scratch buffer + fp32 GEMM above; the
   weight is used as loaded (a Q8_0 tensor is not copied). Without the ops int8 (and nf4) weights
   run as bf16 copies (``bf16_cpu``).
-- ``a8_cpu`` (a Backend with ``int8_activations``, on the int4_cpu path): int4 and int8 weights
-  through the int8-activation GEMMs (kernels.cpu_a8: rows rounded to int8 with one scale,
-  vpdpbusd on AVX512-VNNI / AVX-VNNI, vpmaddubsw on AVX2) at every M, prefill chunks included:
-  SmolLM2-135M's MLP shapes at M = 16-64 run 3-10x the int16 kernel and 2-4x dequantize + fp32
-  GEMM (tools/bench_int8_gemm.py), M = 1 ~3x the int16 kernel. The fused decode step
-  (decode_layers) does not take these weights yet, so such a model runs the per-op forward.
+- ``a8_cpu`` (a Backend with ``int8_activations``: RuntimeConfig.cpu_activations int8 or int8x2,
+  or auto on a VNNI CPU, ``resolve_cpu_activations``; on the int4_cpu path): int4 and int8
+  weights through the int8-activation GEMMs (kernels.cpu_a8: rows rounded to int8 with a scale
+  per 32, in one or two terms; vpdpbusd on AVX512-VNNI / AVX-VNNI, vpmaddubsw on AVX2) at every
+  M, prefill chunks included, and in the fused step: SmolLM2-135M's MLP shapes at M = 16-64 run
+  3-10x the int16 kernel and 2-4x dequantize + fp32 GEMM (tools/bench_int8_gemm.py), M = 1 ~3x
+  the int16 kernel (one term).
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
 - ``reference``: dequantize to fp32 and matmul in fp32; exact, the oracle for the tests.
 
