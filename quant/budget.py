@@ -162,6 +162,17 @@ def planned_names(config: ModelConfig) -> set[str]:
     return {f"model.layers.{i}.{part}.weight" for i in range(config.num_layers) for part in parts}
 
 
+def converted_choices(weight: Weight, opts: ConvertOptions) -> dict[tuple[str, int | None], QuantizedTensor]:
+    """``weight`` under each of CHOICES as convert stores it with ``opts`` (a source's g32 is
+    kept; the compressed-tensors layout re-rounds), by (format, group): the group is the one
+    made, g64 where 128 does not divide K, so two choices can be one."""
+    converted: dict[tuple[str, int | None], QuantizedTensor] = {}
+    for fmt, size in CHOICES:
+        q = convert_weight(weight, fmt, size, opts.fp16_scales, opts.ct_layout)
+        converted.setdefault((fmt, q.group_size if fmt == "int4" else None), q)
+    return converted
+
+
 def sizes(source: Source, opts: ConvertOptions) -> tuple[dict[str, LayerChoice], int]:
     """Each planned linear at its fewest bytes over CHOICES (its error not measured: nan), and
     the bytes of everything else with ``opts``, as convert stores them, without the measurement:
@@ -176,11 +187,9 @@ def sizes(source: Source, opts: ConvertOptions) -> tuple[dict[str, LayerChoice],
             fixed += stored_bytes(convert_weight(old, *target_format(name, len(old.shape), opts), opts.fp16_scales,
                                                  opts.ct_layout))
             continue
-        for fmt, size in CHOICES:
-            q = convert_weight(old, fmt, size, opts.fp16_scales, opts.ct_layout)
+        for (fmt, group), q in converted_choices(old, opts).items():
             if name not in smallest or q.nbytes < smallest[name].nbytes:
-                smallest[name] = LayerChoice(name, fmt, q.group_size if fmt == "int4" else None, q.nbytes,
-                                             float("nan"))
+                smallest[name] = LayerChoice(name, fmt, group, q.nbytes, float("nan"))
     return smallest, fixed
 
 
@@ -233,13 +242,8 @@ def measure(source: Source, opts: ConvertOptions, calib_tokens: int = 512, calib
 
         def alone(name: str, h: torch.Tensor, layer: dict[str, Any] = olds) -> torch.Tensor:
             w = dense(layer[name])
-            seen: dict[tuple[str, int], LayerChoice] = {}
-            for fmt, size in CHOICES:
-                # as convert stores it with opts (a source's g32 is kept; the compressed-tensors layout re-rounds)
-                q = convert_weight(layer[name], fmt, size, opts.fp16_scales, opts.ct_layout)
-                g = q.group_size if fmt == "int4" else None  # g64 where 128 does not divide K
-                seen.setdefault((fmt, g), LayerChoice(name, fmt, g, q.nbytes, output_error(w, q, h)))
-            options[name] = undominated(seen.values())
+            options[name] = undominated(LayerChoice(name, fmt, group, q.nbytes, output_error(w, q, h))
+                                        for (fmt, group), q in converted_choices(layer[name], opts).items())
             return w  # the layer runs in float: the next layers' figures are theirs alone
 
         calibrator.run_layer(index, olds, alone)
