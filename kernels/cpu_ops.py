@@ -203,7 +203,7 @@ def decode_layer_weights(input_norm: torch.Tensor, qkv: FusedLinear, o: FusedLin
 
 def decode_layer_wsums(linears: Sequence[A8Weight]) -> list[torch.Tensor]:
     """decode_layers' ``a8_wsums`` for cpu_a8 linears in its order (qkv, o, gate_up, down per
-    layer): each int8 weight's -128 * code sums, an empty tensor for int4."""
+    layer): each int8 weight's int16 code sums, an empty tensor for int4."""
     return [torch.empty(0, dtype=torch.int16) if w.wsum is None else w.wsum for w in linears]
 
 

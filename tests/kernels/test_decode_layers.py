@@ -63,6 +63,19 @@ def _prefilled(model: LlamaModel, kv_dtype: str, prompts: list[list[int]],
     return pool
 
 
+def _decode_step(fused: LlamaModel, per_op: LlamaModel, fused_pool: KVPool, reference_pool: KVPool,
+                 lengths: tuple[int, ...], tables: list[tuple[int, ...]], g: torch.Generator,
+                 step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One random token (from ``g``) per sequence after its ``length + step`` tokens: the logits
+    of the fused step and of the per-op forward, each on its own pool."""
+    chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n + step, t)
+              for n, t in zip(lengths, tables, strict=True)]
+    token_ids, batch = build_batch(chunks, BLOCK, fused.device)
+    assert batch.is_decode
+    assert fused.runs_fused(len(token_ids), fused_pool) and not per_op.runs_fused(len(token_ids), reference_pool)
+    return fused.forward(token_ids, batch, fused_pool), per_op.forward(token_ids, batch, reference_pool)
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "int8", "int4"])
 def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, per_op: LlamaModel, kv_dtype: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,13 +96,7 @@ def test_fused_decode_matches_the_per_op_forward(model: LlamaModel, per_op: Llam
     fused_pool = _prefilled(model, kv_dtype, prompts, tables)
     reference_pool = copy.deepcopy(fused_pool)
     for step in range(3):
-        chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n + step, t)
-                  for n, t in zip(lengths, tables, strict=True)]
-        token_ids, batch = build_batch(chunks, BLOCK, model.device)
-        assert batch.is_decode
-        assert model.runs_fused(len(token_ids), fused_pool) and not per_op.runs_fused(len(token_ids), reference_pool)
-        fused = model.forward(token_ids, batch, fused_pool)
-        reference = per_op.forward(token_ids, batch, reference_pool)
+        fused, reference = _decode_step(model, per_op, fused_pool, reference_pool, lengths, tables, g, step)
         assert fused.shape == reference.shape == (3, CONFIG.vocab_size)
         torch.testing.assert_close(fused, reference, rtol=tol, atol=tol * reference.abs().max().item())
     # Not bit-exact from layer 1 on: SiLU's exp differs from torch's in the last bits, and the
@@ -212,12 +219,7 @@ def test_fused_step_runs_mixed_int4_and_int8_linears(loaded: LoadedModel) -> Non
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     fused_pool = _prefilled(per_op, "fp32", prompts, tables)
     reference_pool = copy.deepcopy(fused_pool)
-    chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n, t)
-              for n, t in zip(lengths, tables, strict=True)]
-    token_ids, batch = build_batch(chunks, BLOCK, mixed.device)
-    assert mixed.runs_fused(len(token_ids), fused_pool)
-    fused = mixed.forward(token_ids, batch, fused_pool)
-    reference = per_op.forward(token_ids, batch, reference_pool)
+    fused, reference = _decode_step(mixed, per_op, fused_pool, reference_pool, lengths, tables, g)
     torch.testing.assert_close(fused, reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item())
 
 
@@ -341,12 +343,7 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
     fused_pool = _prefilled(a8, "fp32", prompts, tables)  # prompt chunks: fused too
     reference_pool = _prefilled(per_op, "fp32", prompts, tables)
-    chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n, t)
-              for n, t in zip(lengths, tables, strict=True)]
-    token_ids, batch = build_batch(chunks, BLOCK, a8.device)
-    assert a8.runs_fused(len(token_ids), fused_pool)
-    fused = a8.forward(token_ids, batch, fused_pool)
-    reference = per_op.forward(token_ids, batch, reference_pool)
+    fused, reference = _decode_step(a8, per_op, fused_pool, reference_pool, lengths, tables, g)
     # SiLU's exp differs from torch's in the last bits; a value at an int8 rounding boundary of
     # the next GEMM's input then moves a whole code step (1/127 of its block's largest value), so
     # single logits may differ by a few percent: the bound is on the whole. A wiring mistake (a
