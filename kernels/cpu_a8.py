@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from quant.formats import QuantizedTensor, unpack_int4
 
 ISA_ENV = "EDGEINFER_CPU_ISA"
-ISAS = ("avx512vnni", "avxvnni", "avx2")  # best first
+ISAS = ("amx", "avx512vnni", "avxvnni", "avx2")  # best first
 COLS = 16  # output columns per weight tile (a8_gemm.h kA8Cols)
 UNIT = 32  # activation values per scale, at most (a8_gemm.h kA8Unit; int8 groups of 16: 16)
 

@@ -100,7 +100,7 @@ class Backend:
 
 # CPUs whose int8 dot products make two int8 terms pay: on AVX2 alone (vpmaddubsw) a 16-stream
 # step of the default model ran 70-107 ms against int16's 62.
-VNNI_ISAS = ("avx512vnni", "avxvnni")
+VNNI_ISAS = ("amx", "avx512vnni", "avxvnni")
 
 
 def resolve_cpu_activations(requested: str, device: torch.device) -> str:

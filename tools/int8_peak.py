@@ -1,13 +1,15 @@
-"""This machine's int8 dot-product peak: vpdpbusd throughput in GOP/s on 1 and 2 threads.
+"""This machine's int8 dot-product peak: vpdpbusd (or AMX tdpbssd) throughput in GOP/s on 1 and 2 threads.
 
 The yardstick for the int8-activation GEMMs (kernels.cpu_a8; tools/bench_int8_gemm.py states
 its figures as a fraction of it). A tiny C kernel (no memory traffic: 6-12 independent
 accumulators so the instruction's latency is hidden, 64 or 32 byte-pairs each) is compiled with
 the system C compiler into a temporary library and called through ctypes from one thread per
 core (ctypes drops the GIL). One vpdpbusd on zmm is 64 multiply-adds = 128 ops. --isa avx2
-measures vpmaddubsw + vpmaddwd + vpaddd, the AVX2 kernel's inner step, the same way.
+measures vpmaddubsw + vpmaddwd + vpaddd, the AVX2 kernel's inner step, the same way; --isa amx
+tdpbssd on four 16 x 16 int32 tiles (16 x 16 x 64 multiply-adds each), the tile data state asked
+of the OS first as the kernel does.
 
-    python tools/int8_peak.py [--isa avx512vnni|avxvnni|avx2] [--seconds 0.5] [--json]
+    python tools/int8_peak.py [--isa amx|avx512vnni|avxvnni|avx2] [--seconds 0.5] [--json]
 """
 
 from __future__ import annotations
@@ -23,12 +25,44 @@ from pathlib import Path
 
 # (compiler flags, vector type, width prefix, step(acc, a, b), bytes per vector); one ISA per library.
 _ISAS = {
+    "amx": ("-mamx-tile -mamx-int8", "", "", "", 0),
     "avx512vnni": ("-mavx512f -mavx512bw -mavx512vnni", "__m512i", "_mm512",
                    "_mm512_dpbusd_epi32({acc}, {a}, {b})", 64),
     "avxvnni": ("-mavx2 -mavxvnni", "__m256i", "_mm256", "_mm256_dpbusd_avx_epi32({acc}, {a}, {b})", 32),
     "avx2": ("-mavx2", "__m256i", "_mm256",
              "_mm256_add_epi32({acc}, _mm256_madd_epi16(_mm256_maddubs_epi16({a}, {b}), ones))", 32),
 }
+
+
+# AMX: four C tiles in turn hide tdpbssd's latency; A and B stay loaded.
+_AMX_SOURCE = """
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } config;
+int64_t run(int64_t iterations, int seed) {
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -1;
+  config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 6; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+  int8_t a[16 * 64];
+  int32_t out[16 * 16];
+  memset(a, seed, sizeof a);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t it = 0; it < iterations; ++it) {
+    _tile_dpbssd(0, 4, 5); _tile_dpbssd(1, 4, 5); _tile_dpbssd(2, 4, 5); _tile_dpbssd(3, 4, 5);
+  }
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
+"""
 
 
 def _accumulators(isa: str) -> int:
@@ -68,7 +102,7 @@ int64_t run(int64_t iterations, int seed) {{
 def _library(isa: str, folder: Path) -> ctypes.CDLL:
     flags = _ISAS[isa][0].split()
     source = folder / f"peak_{isa}.c"
-    source.write_text(_source(isa))
+    source.write_text(_AMX_SOURCE if isa == "amx" else _source(isa))
     library = folder / f"peak_{isa}.so"
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", *flags, str(source), "-o", str(library)], check=True)
     lib = ctypes.CDLL(str(library))
@@ -82,7 +116,7 @@ def peak_gops(isa: str, threads: int, seconds: float = 0.5, repeats: int = 3) ->
     best of ``repeats`` runs, since other work on the machine can only lower it."""
     with tempfile.TemporaryDirectory() as folder:
         lib = _library(isa, Path(folder))
-        ops_per_iteration = _accumulators(isa) * _ISAS[isa][4] * 2
+        ops_per_iteration = 4 * 16 * 16 * 64 * 2 if isa == "amx" else _accumulators(isa) * _ISAS[isa][4] * 2
         lib.run(100_000, 0)  # warm up (clock ramp, page-in)
         t0 = time.perf_counter()
         lib.run(1_000_000, 0)

@@ -20,7 +20,9 @@
 #include <ATen/Parallel.h>
 #include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -38,14 +40,36 @@ using edgeinfer_cpu::kA8Unit;
 
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
+constexpr int64_t kAmxMinRows = 16;
+
 // Not every compiler's __builtin_cpu_supports knows "f16c": CPUID leaf 1 says.
 bool f16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  }();
+  return has;
+}
+
+// AMX-TILE and AMX-INT8 (CPUID leaf 7), enabled by the OS (XCR0 bits 17-18), and the tile data
+// state granted to this process (Linux asks a process to request it: arch_prctl
+// ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx() {
+  static const bool usable = [] {  // once: in a virtual machine every CPUID traps to the host
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return false;
+    unsigned xcr0 = 0, xcr0_high = 0;
+    __asm__("xgetbv" : "=a"(xcr0), "=d"(xcr0_high) : "c"(0));
+    if ((xcr0 & (3u << 17)) != (3u << 17)) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return usable;
 }
 
 bool isa_supported(const std::string& isa) {
   __builtin_cpu_init();
+  if (isa == "amx") return isa_supported("avx512vnni") && amx();  // small batches run the AVX512-VNNI kernel
   if (isa == "avx512vnni") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -53,7 +77,7 @@ bool isa_supported(const std::string& isa) {
   // The 256-bit kernels read fp16 scales with F16C (every AVX2 CPU has it; checked all the same).
   if (isa == "avxvnni") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni") && f16c();
   if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c();
-  TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected avx512vnni, avxvnni or avx2)");
+  TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected amx, avx512vnni, avxvnni or avx2)");
 }
 
 // One row of x (K values) -> int8 codes with a scale per unit of `unit` values (absmax / 127,
@@ -140,7 +164,12 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   TORCH_CHECK(!has_mins || (mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
                              mins.numel() == scales.numel()),
               "mins must be shaped like the scales, in their dtype");
-  const bool offset_x = !int4 && isa != "avx2";  // the VNNI kernels take int8 x as x + 128 (uint8)
+  const int64_t rows = m * terms;  // with two terms, row 2r is x[r]'s codes and 2r + 1 its residual's
+  // AMX from kAmxMinRows activation rows; fewer leave most of a 16-row tile idle, and the weight
+  // read, not the arithmetic, bounds them: the AVX512-VNNI kernel runs those.
+  const bool tiles_unit = isa == "amx" && rows >= kAmxMinRows;
+  const std::string run_isa = isa == "amx" && !tiles_unit ? "avx512vnni" : isa;
+  const bool offset_x = !int4 && (run_isa == "avx512vnni" || run_isa == "avxvnni");  // they read int8 x + 128 (uint8)
   const int64_t unit = std::min(group, kA8Unit);
   const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
   TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kShort && wsum.is_contiguous() &&
@@ -148,15 +177,17 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
               "int8 weights need wsum, int16 (tiles, K / min(group, 32), 16)");
   if (m == 0 || n == 0) return;
   const int64_t groups = k / group;
-  const int64_t rows = m * terms;  // with two terms, row 2r is x[r]'s codes and 2r + 1 its residual's
+  // The AMX kernel reads whole 16-row blocks: the padding rows' codes and scales are left as the
+  // buffers hold them (their products are never stored).
+  const int64_t padded = tiles_unit ? (rows + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock : rows;
   // The calling thread's buffers, kept from call to call. Allocated per call, with the two terms'
   // outputs kept apart and summed after, a 256-token chunk of a 1.7B model's gate/up took ~35 MB,
   // zeroed and page-faulted every call.
   thread_local std::vector<int8_t> xq_buffer;
   thread_local std::vector<float> scale_buffer, gsum_buffer;
-  xq_buffer.resize(std::max<size_t>(xq_buffer.size(), rows * k));
-  scale_buffer.resize(std::max<size_t>(scale_buffer.size(), rows * (k / unit)));
-  gsum_buffer.resize(std::max<size_t>(gsum_buffer.size(), has_mins ? rows * groups : 0));
+  xq_buffer.resize(std::max<size_t>(xq_buffer.size(), padded * k));
+  scale_buffer.resize(std::max<size_t>(scale_buffer.size(), padded * (k / unit)));
+  gsum_buffer.resize(std::max<size_t>(gsum_buffer.size(), has_mins ? padded * groups : 0));
   // Plain pointers: inside the parallel region a thread_local's name would be the worker's own.
   int8_t* xq = xq_buffer.data();
   float* x_scale = scale_buffer.data();
@@ -181,11 +212,20 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
                     has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
                     reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, rows, n, k, group, terms, int4,
                     scales.scalar_type() == at::kHalf};
-  const Kernel kernel = isa == "avx512vnni" ? a8_columns_avx512vnni
-                        : isa == "avxvnni"  ? a8_columns_avxvnni
-                                            : a8_columns_avx2;
   // Tiles of 16 columns over the threads; several chunks per thread so uneven cores even out.
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
+  if (tiles_unit) {
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      thread_local std::vector<uint8_t> scratch;  // the worker's own: an int4 tile unpacked, aligned to 64
+      scratch.resize(std::max<size_t>(scratch.size(), k * kA8Cols + 64));
+      const auto at = reinterpret_cast<uintptr_t>(scratch.data());
+      a8_columns_amx(p, t0, t1, reinterpret_cast<uint8_t*>((at + 63) & ~uintptr_t(63)));
+    });
+    return;
+  }
+  const Kernel kernel = run_isa == "avx512vnni" ? a8_columns_avx512vnni
+                        : run_isa == "avxvnni"  ? a8_columns_avxvnni
+                                                : a8_columns_avx2;
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { kernel(p, t0, t1); });
 }
 

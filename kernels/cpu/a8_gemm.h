@@ -2,7 +2,7 @@
 //
 // Shared by a8_gemm.cpp (the op: activation quantization, the ISA choice, threading; compiled
 // with the folder's AVX2 flags) and the three kernel translation units a8_gemm_avx512vnni.cpp,
-// a8_gemm_avxvnni.cpp and a8_gemm_avx2.cpp, each of which switches on its own instruction set
+// a8_gemm_avxvnni.cpp, a8_gemm_avx2.cpp and a8_gemm_amx.cpp, each of which switches on its own instruction set
 // with `#pragma GCC target` at its top (the per-file equivalent of -m flags, which
 // torch.utils.cpp_extension cannot set per source). Those files include only this header,
 // <cstdint> and <immintrin.h> (always-inline intrinsics): an out-of-line inline function from
@@ -52,5 +52,9 @@ struct A8Problem {
 void a8_columns_avx512vnni(const A8Problem& p, int64_t tile0, int64_t tile1);
 void a8_columns_avxvnni(const A8Problem& p, int64_t tile0, int64_t tile1);
 void a8_columns_avx2(const A8Problem& p, int64_t tile0, int64_t tile1);
+// AMX: x as int8 (no + 128), padded to a multiple of 16 rows; scratch: 64-byte aligned, K x 16
+// bytes (an int4 tile unpacked), the calling thread's own.
+void a8_columns_amx(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* scratch);
+constexpr int64_t kA8AmxBlock = 16;
 
 }  // namespace edgeinfer_cpu

@@ -1,7 +1,8 @@
 """The int8-activation CPU GEMMs (kernels.cpu_a8) against their torch reference, on every
 instruction set this CPU runs (the others are skipped, so a CPU without VNNI passes too).
 
-Awkward shapes: M not a multiple of the kernels' row blocks (4 and 8), N not a multiple of the
+Awkward shapes: M not a multiple of the kernels' row blocks (4, 8 and AMX's 16, which runs from
+16 rows: below, its ISA runs the AVX512-VNNI kernel), N not a multiple of the
 16-column tile, K = 576 and 1536 (SmolLM2-135M's), groups 16 (int8), 32, 64 and 128. Inputs are
 random and off-centre; int8 codes cover their full range, -128 included (GGUF Q8_0 can hold it).
 """
@@ -49,7 +50,7 @@ SHAPES = [(37, 576, 32), (50, 576, 64), (19, 1536, 128), (130, 1536, 32)]
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("n,k,group", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 5, 9, 19])
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 16, 19, 40])
 def test_a8_gemm_matches_reference(isa, fmt, n, k, group, m):
     weight = _weight(fmt, n, k, group, seed=n + m)
     x = _x(m, k, seed=m)
@@ -133,7 +134,7 @@ def test_auto_activations_are_int8x2_with_vnni_else_int16(monkeypatch):
     from kernels.dispatch import resolve_cpu_activations
 
     cpu = torch.device("cpu")
-    for isa, expected in (("avx512vnni", "int8x2"), ("avxvnni", "int8x2"), ("avx2", "int16")):
+    for isa, expected in (("amx", "int8x2"), ("avx512vnni", "int8x2"), ("avxvnni", "int8x2"), ("avx2", "int16")):
         monkeypatch.setattr(cpu_a8, "default_isa", lambda isa=isa: isa)
         assert resolve_cpu_activations("auto", cpu) == expected
         assert resolve_cpu_activations("int8", cpu) == "int8"  # asked for: as asked

@@ -1,0 +1,168 @@
+// The int8-activation GEMM kernel for AMX (Sapphire Rapids and later Xeons): the same problem and
+// rounding as the VNNI kernels (a8_gemm.h), its integer dot products on the tile unit. One
+// tdpbsud / tdpbssd multiplies a 16-row block of activation codes by a unit (32 values of K, 16
+// for int8 groups of 16) of a 16-column weight tile: 16 x 16 x 32 multiply-adds, 1,024 a cycle
+// against AVX512-VNNI's 128 at best. What is left on the vector units is a unit's rescale (int32
+// -> fp32, times the column scales and the row's unit scale, plus the mins' term once per group),
+// 3-4 instructions per row and unit, and the int4 unpack, once per weight tile for all row blocks.
+//
+// Operands: AMX multiplies signed by signed or by unsigned bytes, so x is read as int8 as it is
+// (no + 128, no code sums): int4 codes 0..15 are tdpbsud's unsigned B, int8 codes tdpbssd's signed
+// B. A B tile's row i holds k = 4i..4i+3 of the 16 columns, which is the a8 tiles' own byte order
+// (int8: as stored, read in place; int4: the low and high nibbles of a block's 4 vectors are its
+// rows 0-3 and 4-7). The caller pads x's codes, scales and group sums to a multiple of 16 rows;
+// the padding rows' products are computed and never stored.
+//
+// Tile state is per thread and other libraries (oneDNN) configure it too: the entry point loads
+// its configuration on every call and releases it on return. The OS must have granted the process
+// the tile data state (a8_gemm.cpp asks once, before the kernel is ever chosen).
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "a8_gemm.h"
+
+namespace {
+
+using edgeinfer_cpu::A8Problem;
+using edgeinfer_cpu::kA8Cols;
+using edgeinfer_cpu::kA8Unit;
+
+constexpr int kBlock = edgeinfer_cpu::kA8AmxBlock;  // activation rows per A / C tile
+
+// Tiles: 0 and 1 hold C of two units in flight, 2 and 3 their A, 4 and 5 their B.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure(int64_t unit) {
+  TileConfig c;
+  for (int t = 0; t < 2; ++t) {
+    c.rows[t] = kBlock;
+    c.colsb[t] = kA8Cols * 4;  // 16 int32
+    c.rows[t + 2] = kBlock;
+    c.colsb[t + 2] = static_cast<uint16_t>(unit);  // a unit of K, in bytes
+    c.rows[t + 4] = static_cast<uint8_t>(unit / 4);
+    c.colsb[t + 4] = kA8Cols * 4;  // 16 columns x 4 values of K
+  }
+  _tile_loadconfig(&c);
+}
+
+inline __m512 load_param(const A8Problem& p, const void* base, int64_t at) {
+  return p.half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)))
+                : _mm512_loadu_ps(static_cast<const float*>(base) + at);
+}
+
+// A unit's int32 block (16 rows x 16 columns at c) into the rows' fp32 sums: acc[r] += c[r] *
+// scale * x_scale[r, u], and where the unit opens a group, + min * x_gsum[r, g].
+template <bool kMin>
+inline void rescale(const A8Problem& p, const int32_t* c, int64_t m0, int64_t u, int64_t units, int64_t g,
+                    int64_t groups, bool opens_group, int64_t param, __m512* acc) {
+  const __m512 s = load_param(p, p.scales, param + g * kA8Cols);
+  const float* xs = p.x_scale + m0 * units + u;
+#pragma GCC unroll 16
+  for (int r = 0; r < kBlock; ++r) {
+    const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * kA8Cols));
+    acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(s, _mm512_set1_ps(xs[r * units])), acc[r]);
+  }
+  if constexpr (kMin) {
+    if (opens_group) {
+      const __m512 mn = load_param(p, p.mins, param + g * kA8Cols);
+      const float* gs = p.x_gsum + m0 * groups + g;
+#pragma GCC unroll 16
+      for (int r = 0; r < kBlock; ++r) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gs[r * groups]), acc[r]);
+    }
+  }
+}
+
+// y's rows of block m0 (those below p.m / terms), columns [col, col + 16) clipped to N.
+inline void store_block(const A8Problem& p, int64_t m0, int64_t col, const __m512* acc) {
+  const int64_t valid = p.n - col;
+  const __mmask16 mask = valid >= kA8Cols ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const int64_t step = p.terms;  // with two terms rows 2r and 2r + 1 are y row r (blocks start even)
+  for (int r = 0; r < kBlock && m0 + r < p.m; r += static_cast<int>(step)) {
+    const __m512 v = step == 2 ? _mm512_add_ps(acc[r], acc[r + 1]) : acc[r];
+    _mm512_mask_storeu_ps(p.y + ((m0 + r) / step) * p.n + col, mask, v);
+  }
+}
+
+template <bool kInt4, bool kMin>
+void columns(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* unpacked) {
+  const int64_t k = p.k;
+  const int64_t group = p.group;
+  const int64_t groups = k / group;
+  const int64_t unit = group < kA8Unit ? group : kA8Unit;
+  const int64_t units = k / unit;
+  const int64_t units_per_group = group / unit;
+  const int64_t blocks = (p.m + kBlock - 1) / kBlock;
+  alignas(64) int32_t c[4][kBlock * kA8Cols];  // a ring of unit blocks
+  configure(unit);
+  for (int64_t t = tile0; t < tile1; ++t) {
+    const uint8_t* b = p.codes + t * k * kA8Cols / (kInt4 ? 2 : 1);
+    if constexpr (kInt4) {  // once for all row blocks: 16 x K bytes, in L1 or L2 while they read it
+      const __m512i nibble = _mm512_set1_epi8(0x0F);
+      for (int64_t blk = 0; blk < k / 32; ++blk) {
+        for (int v = 0; v < 4; ++v) {
+          const __m512i raw = _mm512_loadu_si512(b + (blk * 4 + v) * 64);
+          _mm512_store_si512(unpacked + (blk * 8 + v) * 64, _mm512_and_si512(raw, nibble));
+          _mm512_store_si512(unpacked + (blk * 8 + 4 + v) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+        }
+      }
+      b = unpacked;
+    }
+    const int64_t col = t * kA8Cols;
+    const int64_t param = t * groups * kA8Cols;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t m0 = blk * kBlock;
+      const uint8_t* a = p.x + m0 * k;
+      __m512 acc[kBlock];
+#pragma GCC unroll 16
+      for (int r = 0; r < kBlock; ++r) acc[r] = _mm512_setzero_ps();
+      // Software-pipelined: unit u's block is multiplied and stored while unit u - 2's, stored
+      // two steps earlier, is rescaled. Read right after its tile store, a block stalled the
+      // loads behind that store and the tile and vector work ran one after the other.
+      for (int64_t u = 0; u < units + 2; ++u) {
+        if (u < units) {
+          int32_t* out = c[u % 4];
+          if (u % 2 == 0) {
+            _tile_loadd(2, a + u * unit, k);
+            _tile_loadd(4, b + u * unit * kA8Cols, 64);
+            _tile_zero(0);
+            if constexpr (kInt4) _tile_dpbsud(0, 2, 4); else _tile_dpbssd(0, 2, 4);
+            _tile_stored(0, out, kA8Cols * 4);
+          } else {
+            _tile_loadd(3, a + u * unit, k);
+            _tile_loadd(5, b + u * unit * kA8Cols, 64);
+            _tile_zero(1);
+            if constexpr (kInt4) _tile_dpbsud(1, 3, 5); else _tile_dpbssd(1, 3, 5);
+            _tile_stored(1, out, kA8Cols * 4);
+          }
+        }
+        if (u >= 2) {
+          const int64_t v = u - 2;
+          rescale<kMin>(p, c[v % 4], m0, v, units, v / units_per_group, groups, v % units_per_group == 0, param, acc);
+        }
+      }
+      store_block(p, m0, col, acc);
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+void edgeinfer_cpu::a8_columns_amx(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* scratch) {
+  if (p.int4) {
+    columns<true, true>(p, tile0, tile1, scratch);
+  } else if (p.mins != nullptr) {
+    columns<false, true>(p, tile0, tile1, scratch);
+  } else {
+    columns<false, false>(p, tile0, tile1, scratch);
+  }
+}
