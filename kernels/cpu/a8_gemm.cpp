@@ -31,6 +31,7 @@
 
 #include "a8_gemm.h"
 #include "ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -212,10 +213,10 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
                     has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
                     reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, rows, n, k, group, terms, int4,
                     scales.scalar_type() == at::kHalf};
-  // Tiles of 16 columns over the threads; several chunks per thread so uneven cores even out.
-  const int64_t grain = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
+  // Tiles of 16 columns over the threads, claimed in chunks, about four per thread.
+  const int64_t chunk = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
   if (tiles_unit) {
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    edgeinfer_cpu::balanced_for(0, tiles, chunk, [&](int64_t t0, int64_t t1) {
       thread_local std::vector<uint8_t> scratch;  // the worker's own: an int4 tile unpacked, aligned to 64
       scratch.resize(std::max<size_t>(scratch.size(), k * kA8Cols + 64));
       const auto at = reinterpret_cast<uintptr_t>(scratch.data());
@@ -226,7 +227,7 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   const Kernel kernel = run_isa == "avx512vnni" ? a8_columns_avx512vnni
                         : run_isa == "avxvnni"  ? a8_columns_avxvnni
                                                 : a8_columns_avx2;
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { kernel(p, t0, t1); });
+  edgeinfer_cpu::balanced_for(0, tiles, chunk, [&](int64_t t0, int64_t t1) { kernel(p, t0, t1); });
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

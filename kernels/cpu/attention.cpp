@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -206,7 +207,8 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   const int64_t parts = pairs >= want ? 1 : std::max<int64_t>(1, std::min((want + pairs - 1) / pairs, max_len / kMinPart));
   const int64_t items = pairs * parts;
   std::vector<float> part_m(items * group), part_l(items * group), part_o(items * group * head_dim);
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  // Claimed in chunks: sequences' contexts differ in length, so equal counts of items are not equal work.
+  edgeinfer_cpu::balanced_for(0, items, std::max<int64_t>(1, items / (4 * at::get_num_threads())), [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     std::vector<int64_t> rows;  // element offset of each context token's (K or V) row
     std::vector<int64_t> srows;  // int8 caches: index of each token's scale (slot * Hkv + h)
