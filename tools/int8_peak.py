@@ -117,7 +117,8 @@ def peak_gops(isa: str, threads: int, seconds: float = 0.5, repeats: int = 3) ->
     with tempfile.TemporaryDirectory() as folder:
         lib = _library(isa, Path(folder))
         ops_per_iteration = 4 * 16 * 16 * 64 * 2 if isa == "amx" else _accumulators(isa) * _ISAS[isa][4] * 2
-        lib.run(100_000, 0)  # warm up (clock ramp, page-in)
+        if lib.run(100_000, 0) < 0:  # warm up (clock ramp, page-in); AMX: -1 when the OS refused the tile state
+            raise RuntimeError("the OS did not grant this process the AMX tile state (arch_prctl)")
         t0 = time.perf_counter()
         lib.run(1_000_000, 0)
         iterations = max(1, int(1_000_000 * seconds / (time.perf_counter() - t0)))
