@@ -4,7 +4,8 @@ instruction-set choice and the call.
 Activations are quantized inside the op, symmetric with a scale per 32 values (absmax / 127;
 16 for int8 groups of 16: llama.cpp's Q8_1 granularity; on the default model one scale per row
 cost 22% perplexity, per 32 +0.52%, per 16 +0.90%); the
-integer dot products run on AVX512-VNNI (vpdpbusd), AVX-VNNI or AVX2 (vpmaddubsw) kernels,
+integer dot products run on AMX (tdpbsud / tdpbssd, from 16 rows; AVX512-VNNI below),
+AVX512-VNNI (vpdpbusd), AVX-VNNI or AVX2 (vpmaddubsw) kernels,
 each compiled for its own instruction set, the best this CPU runs chosen once (``default_isa``;
 ``EDGEINFER_CPU_ISA`` names another for comparison and tests). A weight is re-laid out once
 (``prepare_a8``) into tiles of 16 columns whose bytes hold 4 consecutive K values per column,

@@ -16,8 +16,8 @@ void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const a
 
 // a8_gemm.cpp: y (M, N) = x (M, K) @ W.T for a kernels.cpu_a8 prepared weight (codes, fp16 or fp32 scales,
 // mins or an empty tensor, int16 wsum or an empty tensor for int4), x rounded to int8 per row
-// (`terms` 2: x and its rounding residual, each to int8), on the `isa` kernel (avx512vnni,
-// avxvnni, avx2); checks the weight.
+// (`terms` 2: x and its rounding residual, each to int8), on the `isa` kernel
+// (amx, avx512vnni, avxvnni, avx2); checks the weight.
 void a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& wsum, int64_t n, int64_t k, const std::string& isa, float* y, int64_t terms = 1);
 
