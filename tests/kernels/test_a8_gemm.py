@@ -116,10 +116,23 @@ def test_isas_agree_and_the_default_is_the_best():
     runnable = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
     assert "avx2" in runnable and cpu_a8.default_isa() in runnable
     weight = cpu_a8.prepare_a8(_weight("int4", 70, 576, 32, seed=1))
-    x = _x(13, 576, seed=2)
-    outs = [cpu_a8.a8_linear(x, weight, isa) for isa in runnable]
-    for out in outs[1:]:
-        torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=1e-5)
+    for m in (13, 40):  # 40: AMX's own kernel (from 16 rows)
+        x = _x(m, 576, seed=2)
+        outs = [cpu_a8.a8_linear(x, weight, isa) for isa in runnable]
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported("amx"), reason="this CPU cannot run amx")
+@pytest.mark.parametrize("fmt,group,mins,terms", [("int4", 32, True, 1), ("int4", 64, True, 2), ("int8", 16, True, 1),
+                                                  ("int8", 32, False, 2)])
+def test_amx_equals_avx512vnni_bit_for_bit(fmt, group, mins, terms):
+    """The same integer dots and the same fp32 sums in the same order: one-term int8 activations
+    turn a last-bit difference into whole codes a layer later (eval-ppl 46.83 -> 47.01 once, with
+    the mins' term added after the unit's product instead of before)."""
+    weight = cpu_a8.prepare_a8(_weight(fmt, 100, 576, group, seed=9, mins=mins), terms)
+    x = _x(37, 576, seed=10)
+    assert torch.equal(cpu_a8.a8_linear(x, weight, "amx"), cpu_a8.a8_linear(x, weight, "avx512vnni"))
 
 
 def test_isa_override(monkeypatch):
