@@ -168,8 +168,8 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   const int64_t rows = m * terms;  // with two terms, row 2r is x[r]'s codes and 2r + 1 its residual's
   // AMX from kAmxMinRows activation rows; fewer leave most of a 16-row tile idle, and the weight
   // read, not the arithmetic, bounds them: the AVX512-VNNI kernel runs those.
-  const bool tiles_unit = isa == "amx" && rows >= kAmxMinRows;
-  const std::string run_isa = isa == "amx" && !tiles_unit ? "avx512vnni" : isa;
+  const bool on_amx = isa == "amx" && rows >= kAmxMinRows;
+  const std::string run_isa = isa == "amx" && !on_amx ? "avx512vnni" : isa;
   const bool offset_x = !int4 && (run_isa == "avx512vnni" || run_isa == "avxvnni");  // they read int8 x + 128 (uint8)
   const int64_t unit = std::min(group, kA8Unit);
   const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
@@ -180,7 +180,7 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   const int64_t groups = k / group;
   // The AMX kernel reads whole 16-row blocks: the padding rows' codes and scales are left as the
   // buffers hold them (their products are never stored).
-  const int64_t padded = tiles_unit ? (rows + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock : rows;
+  const int64_t padded = on_amx ? (rows + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock : rows;
   // The calling thread's buffers, kept from call to call. Allocated per call, with the two terms'
   // outputs kept apart and summed after, a 256-token chunk of a 1.7B model's gate/up took ~35 MB,
   // zeroed and page-faulted every call.
@@ -215,7 +215,7 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
                     scales.scalar_type() == at::kHalf};
   // Tiles of 16 columns over the threads, claimed in chunks, about four per thread.
   const int64_t chunk = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
-  if (tiles_unit) {
+  if (on_amx) {
     edgeinfer_cpu::balanced_for(0, tiles, chunk, [&](int64_t t0, int64_t t1) {
       thread_local std::vector<uint8_t> scratch;  // the worker's own: an int4 tile unpacked, aligned to 64
       scratch.resize(std::max<size_t>(scratch.size(), k * kA8Cols + 64));
