@@ -14,7 +14,8 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
-CPU_ACTIVATIONS = ("auto", "int16", "int8", "int8x2")  # how the CPU kernels round activations (kernels.dispatch)
+# How the CPU kernels round activations (kernels.dispatch).
+CPU_ACTIVATIONS = ("auto", "int16", "int8", "int8x2", "bf16")
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
@@ -206,8 +207,10 @@ class RuntimeConfig:
     # int16: the int16-activation kernels, a scale per 4 values, the accuracy reference; int8: the
     # int8-activation (VNNI) GEMMs on the CPU's quantized linears, a scale per 32 values
     # (kernels.cpu_a8; llama.cpp's rounding, +0.5% perplexity); int8x2: x and its rounding
-    # residual as two int8 terms, int16's accuracy through the same GEMMs; auto: int8x2 where the
-    # CPU has VNNI, else int16 (kernels.dispatch.resolve_cpu_activations).
+    # residual as two int8 terms, int16's accuracy through the same GEMMs; bf16: x and the
+    # weights rounded to bf16, fp32 sums on the AMX-BF16 tile unit (Sapphire Rapids and later
+    # Xeons only; fastest from ~16 rows); auto: int8x2 where the CPU has VNNI, else int16
+    # (kernels.dispatch.resolve_cpu_activations).
     cpu_activations: str = "auto"
 
     def __post_init__(self) -> None:

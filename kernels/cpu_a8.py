@@ -12,6 +12,11 @@ each compiled for its own instruction set, the best this CPU runs chosen once (`
 so one vector load feeds 16 output columns for every activation row of the batch.
 kernels.reference.int8_activation_gemm_reference is the torch reference; the int16-activation
 kernels of kernels.cpu_ops stay the accuracy reference against which this path is judged.
+
+On AMX-BF16 CPUs the same tiles also run with bf16 activations (``A8Weight.bf16``,
+RuntimeConfig.cpu_activations "bf16"; kernels/cpu/a8_gemm_amx_bf16.cpp): each 16-column tile
+dequantized to bf16 once per call, products summed in fp32 over all of K in the tile unit, no
+per-unit rescale; kernels.reference.bf16_gemm_reference is its torch reference.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from quant.formats import QuantizedTensor, unpack_int4
 
 ISA_ENV = "EDGEINFER_CPU_ISA"
 ISAS = ("amx", "avx512vnni", "avxvnni", "avx2")  # best first
+BF16_ISA = "amx_bf16"  # the bf16-activation kernel (A8Weight.bf16), not an int8 choice
 COLS = 16  # output columns per weight tile (a8_gemm.h kA8Cols)
 UNIT = 32  # activation values per scale, at most (a8_gemm.h kA8Unit; int8 groups of 16: 16)
 
@@ -43,6 +49,7 @@ class A8Weight:
     group_size: int
     int4: bool
     terms: int = 1  # activations as 1 int8 term, or 2 (x and its rounding residual: int16-like accuracy)
+    bf16: bool = False  # activations and weights rounded to bf16 on AMX-BF16 instead (terms 1)
 
     @property
     def nbytes(self) -> int:
@@ -58,11 +65,11 @@ def supports(weight: QuantizedTensor) -> bool:
     return (weight.format == "int4" and group % 32 == 0) or (weight.format == "int8" and group % 16 == 0)
 
 
-def prepare_a8(weight: QuantizedTensor, terms: int = 1) -> A8Weight:
+def prepare_a8(weight: QuantizedTensor, terms: int = 1, bf16: bool = False) -> A8Weight:
     """Re-lay a quant.formats int4 or int8 weight into 16-column tiles (N padded with zeros), to
-    be run with activations in ``terms`` int8 terms (a8_linear)."""
-    if terms not in (1, 2):
-        raise ValueError(f"terms must be 1 or 2, got {terms}")
+    be run with activations in ``terms`` int8 terms, or with ``bf16`` in bf16 (a8_linear)."""
+    if terms not in (1, 2) or (bf16 and terms != 1):
+        raise ValueError(f"terms must be 1 or 2 (1 with bf16), got {terms}")
     if not supports(weight):
         raise ValueError(f"the int8-activation kernels need int4 (K, group multiples of 32) or int8 (K a multiple of "
                          f"32, group of 16) weights, got {weight.format} {weight.shape} group {weight.group_size}")
@@ -95,13 +102,13 @@ def prepare_a8(weight: QuantizedTensor, terms: int = 1) -> A8Weight:
         unit = min(group, UNIT)
         sums = weight.qweight.view(n, k // unit, unit).sum(-1, dtype=torch.int32)  # |sum| <= 32 * 128: int16
         wsum = F.pad(sums, (0, 0, 0, pad)).view(tiles, COLS, k // unit).transpose(1, 2).to(torch.int16).contiguous()
-    return A8Weight(codes, per_tile(weight.scales), mins, wsum, (n, k), group, int4, terms)
+    return A8Weight(codes, per_tile(weight.scales), mins, wsum, (n, k), group, int4, terms, bf16)
 
 
 def isa_supported(isa: str) -> bool:
     """Whether this CPU runs the ``isa`` kernel; the C++ ops must be loaded (kernels.cpu_ops.available(),
     which imports this module for its weight type, so it is not called from here)."""
-    if isa not in ISAS:
+    if isa not in (*ISAS, BF16_ISA):
         raise ValueError(f"{ISA_ENV} must be one of {ISAS}, got {isa!r}")
     if not hasattr(torch.ops.edgeinfer_cpu, "a8_isa_supported"):
         raise RuntimeError("the C++ CPU ops are not loaded: call kernels.cpu_ops.available() first")
@@ -121,7 +128,9 @@ def default_isa() -> str:
 
 def a8_linear(x: torch.Tensor, weight: A8Weight, isa: str | None = None) -> torch.Tensor:
     """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 32; with
-    ``weight.terms`` 2, x's codes plus its rounding residual's codes, each a row of the GEMM)."""
+    ``weight.terms`` 2, x's codes plus its rounding residual's codes, each a row of the GEMM) on
+    ``isa`` (default: ``default_isa()``); a ``weight.bf16`` weight runs x in bf16 on AMX-BF16."""
     n, k = weight.shape
+    isa = BF16_ISA if weight.bf16 else isa or default_isa()
     return torch.ops.edgeinfer_cpu.a8_gemm(x, weight.codes, weight.scales, weight.mins, weight.wsum, n, k,
-                                           weight.group_size, weight.int4, isa or default_isa(), weight.terms)
+                                           weight.group_size, weight.int4, isa, weight.terms)

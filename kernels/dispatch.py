@@ -82,6 +82,8 @@ class Backend:
     # int16 per 4 values; needs the C++ ops.
     int8_activations: bool = False
     a8_terms: int = 1  # with int8_activations: 1 int8 term per activation, or 2 (kernels.cpu_a8)
+    # with int8_activations: the same GEMMs with bf16 activations on AMX-BF16 (cpu_activations bf16)
+    a8_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.linear_path not in LINEAR_PATHS:
@@ -93,6 +95,9 @@ class Backend:
                              f"{self.fused_step_max_tokens} (cpu_ops={self.cpu_ops})")
         if self.a8_terms not in (1, 2):
             raise ValueError(f"a8_terms must be 1 or 2, got {self.a8_terms}")
+        if self.a8_bf16 and (self.a8_terms != 1 or not self.int8_activations):
+            raise ValueError(f"a8_bf16 runs on the a8 path (int8_activations) with one term, got "
+                             f"int8_activations={self.int8_activations} a8_terms={self.a8_terms}")
         if self.int8_activations and not (self.cpu_ops and self.linear_path == "int4_cpu"):
             raise ValueError(f"int8 activations run on the int4_cpu linear path with the C++ CPU ops, not "
                              f"{self.linear_path} (cpu_ops={self.cpu_ops})")
@@ -109,6 +114,10 @@ def resolve_cpu_activations(requested: str, device: torch.device) -> str:
     greedy tokens identical) and, on an AVX512-VNNI Xeon (docs/BENCHMARKS.md, 2026-11-26),
     decodes the default model 1.25-1.47x (one stream) and 2.08x (16 streams) as fast, its prefill on a
     par; a 1.7B Q4_K_M, bound by memory, decodes 0.89x and prefills 1.10x as fast."""
+    if requested == "bf16" and not (device.type == "cpu" and cpu_ops.available()
+                                    and cpu_a8.isa_supported(cpu_a8.BF16_ISA)):
+        raise ValueError("cpu_activations bf16 needs a CPU with AMX-BF16 (a Sapphire Rapids or later Xeon) and "
+                         "the C++ CPU ops; this machine has no such path: use int8x2 or int16")
     if requested != "auto":
         return requested
     if device.type != "cpu" or not cpu_ops.available():
@@ -117,19 +126,20 @@ def resolve_cpu_activations(requested: str, device: torch.device) -> str:
 
 
 def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu",
-                   int8_activations: bool = False, a8_terms: int = 1) -> Backend:
+                   int8_activations: bool = False, a8_terms: int = 1, a8_bf16: bool = False) -> Backend:
     """The backend for a requested linear path (RuntimeConfig.linear_path; "auto": Triton on CUDA,
     int4_cpu elsewhere) on ``device``, with the C++ ops wherever this machine runs them (on every
     linear path: the reference path's norms and attention are theirs too). ``int8_activations``
-    (RuntimeConfig.cpu_activations "int8" or "int8x2", whose ``a8_terms`` is 2) applies where the
-    int4_cpu path has the C++ ops and is ignored elsewhere."""
+    (RuntimeConfig.cpu_activations "int8" or "int8x2", whose ``a8_terms`` is 2; "bf16", ``a8_bf16``)
+    applies where the int4_cpu path has the C++ ops and is ignored elsewhere."""
     device = torch.device(device)
     if linear_path == "auto":
         linear_path = "triton" if device.type == "cuda" else "int4_cpu"
     native = device.type == "cpu" and cpu_ops.available()
     return Backend(device, linear_path, cpu_ops=native, triton=device.type == "cuda",
                    fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0,
-                   int8_activations=int8_activations and native and linear_path == "int4_cpu", a8_terms=a8_terms)
+                   int8_activations=int8_activations and native and linear_path == "int4_cpu", a8_terms=a8_terms,
+                   a8_bf16=a8_bf16 and int8_activations and native and linear_path == "int4_cpu")
 
 
 @dataclass(frozen=True)
@@ -176,7 +186,8 @@ def prepare_linear(weight: torch.Tensor | QuantizedTensor, backend: Backend) -> 
         return PreparedLinear("reference", weight.shape, None, dense=dense)
     if path == "int4_cpu":
         if backend.int8_activations and cpu_a8.supports(weight):
-            return PreparedLinear("a8_cpu", weight.shape, None, kernel=cpu_a8.prepare_a8(weight, backend.a8_terms),
+            return PreparedLinear("a8_cpu", weight.shape, None,
+                                  kernel=cpu_a8.prepare_a8(weight, backend.a8_terms, backend.a8_bf16),
                                   group_size=weight.group_size)
         if cpu_ops.supports_int8(weight) and backend.cpu_ops:
             return PreparedLinear("int8_cpu", weight.shape, cpu_ops.prepare_int8(weight), group_size=weight.group_size)

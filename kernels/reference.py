@@ -87,3 +87,21 @@ def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, ter
     if weight.mins is not None:
         y = y + x2.double().view(-1, k // group, group).sum(-1) @ weight.mins.double().t()
     return y.float()
+
+
+def bf16_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """fp32 (M, N): what kernels.cpu_a8 computes with bf16 activations (the AMX-BF16 kernel) for
+    an int4 or int8 weight: x rounded to bf16, each weight scale * code (+ min) formed with one
+    rounding to fp32 (the kernel's FMA; exact in float64 first) and then rounded to bf16, the
+    products summed in float64 (the kernel's fp32 sums differ from it by their rounding only)."""
+    if weight.format not in ("int4", "int8"):
+        raise ValueError(f"bf16_gemm_reference needs an int4 or int8 weight, got {weight.format!r}")
+    n, k = weight.shape
+    group = weight.group_size
+    codes = (unpack_int4(weight.qweight) if weight.format == "int4" else weight.qweight).double()
+    w = codes.view(n, k // group, group) * weight.scales.float().double()[..., None]
+    if weight.mins is not None:
+        w = w + weight.mins.float().double()[..., None]
+    w_bf16 = w.view(n, k).float().bfloat16().double()
+    x_bf16 = x.float().reshape(-1, k).bfloat16().double()
+    return (x_bf16 @ w_bf16.t()).float()

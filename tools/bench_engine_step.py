@@ -14,7 +14,7 @@
 Wraps the engine's internals with timers (private attributes): a measurement tool, not an API.
 
     python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
-                                      [--streams 16] [--cpu-activations auto|int16|int8|int8x2]
+                                      [--streams 16] [--cpu-activations auto|int16|int8|int8x2|bf16]
 """
 
 from __future__ import annotations

@@ -105,8 +105,9 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
     p.add_argument("--cpu-activations", default=RuntimeConfig.cpu_activations, choices=CPU_ACTIVATIONS,
                    help="how the CPU int4/int8 kernels round activations: int16 per 4 values (the accuracy "
                         "reference), int8 per 32 (VNNI GEMMs: fastest, +0.5%% perplexity, llama.cpp's rounding), "
-                        "int8x2 (x and its rounding residual in int8: int16's accuracy through the VNNI GEMMs) or "
-                        "auto (int8x2 where the CPU has VNNI, else int16) (default: %(default)s)")
+                        "int8x2 (x and its rounding residual in int8: int16's accuracy through the VNNI GEMMs), "
+                        "bf16 (AMX-BF16 Xeons only: x and weights in bf16, fastest for prompts and many streams, "
+                        "slower for one) or auto (int8x2 where the CPU has VNNI, else int16) (default: %(default)s)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
                    help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")

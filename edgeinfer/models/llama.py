@@ -98,6 +98,8 @@ class LlamaLayers:
         self.max_positions = min(max_positions or config.max_position, config.max_position)
         self.backend = backend
         self.device = backend.device
+        # The a8 kernel of the fused step: bf16 activations, or the best int8 one this CPU runs.
+        self._a8_isa = cpu_a8.BF16_ISA if backend.a8_bf16 else cpu_a8.default_isa() if backend.int8_activations else ""
         c = config
         self._read_rows = row_reader(backend)
         # One reused buffer for prefill's dequantized weights (the model runs on one thread).
@@ -317,7 +319,7 @@ class LlamaModel(LlamaLayers):
             h, self.weights.fused, self._cos, self._sin, batch.positions,
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
             tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
-            a8_wsums=self.weights.fused_wsums, a8_isa=cpu_a8.default_isa() if self.weights.fused_wsums else "",
+            a8_wsums=self.weights.fused_wsums, a8_isa=self._a8_isa if self.weights.fused_wsums else "",
             a8_terms=self.backend.a8_terms,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))

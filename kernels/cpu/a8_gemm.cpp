@@ -38,6 +38,9 @@ namespace {
 using edgeinfer_cpu::A8Problem;
 using edgeinfer_cpu::kA8Cols;
 using edgeinfer_cpu::kA8Unit;
+using edgeinfer_cpu::kA8AmxBlock;
+using edgeinfer_cpu::a8_columns_amx_bf16;
+using edgeinfer_cpu::a8_rows_to_bf16;
 
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
@@ -68,9 +71,22 @@ bool amx() {
   return usable;
 }
 
+// AMX-BF16 (CPUID leaf 7 EDX bit 22) and AVX512-BF16 (leaf 7 subleaf 1 EAX bit 5, the fp32 ->
+// bf16 conversions), beside what amx() checks.
+bool amx_bf16() {
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22))) return false;
+    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax & (1u << 5))) return false;
+    return amx();
+  }();
+  return usable;
+}
+
 bool isa_supported(const std::string& isa) {
   __builtin_cpu_init();
   if (isa == "amx") return isa_supported("avx512vnni") && amx();  // small batches run the AVX512-VNNI kernel
+  if (isa == "amx_bf16") return isa_supported("avx512vnni") && __builtin_cpu_supports("avx512vbmi") && amx_bf16();
   if (isa == "avx512vnni") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -78,7 +94,7 @@ bool isa_supported(const std::string& isa) {
   // The 256-bit kernels read fp16 scales with F16C (every AVX2 CPU has it; checked all the same).
   if (isa == "avxvnni") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni") && f16c();
   if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c();
-  TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected amx, avx512vnni, avxvnni or avx2)");
+  TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected amx_bf16, amx, avx512vnni, avxvnni or avx2)");
 }
 
 // One row of x (K values) -> int8 codes with a scale per unit of `unit` values (absmax / 127,
@@ -115,6 +131,29 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
     for (int64_t i = 0; i < group; ++i) total += x[g * group + i];
     group_sums[g] = total;
   }
+}
+
+// a8_gemm_rows for isa "amx_bf16": x rounded to bf16 into the calling thread's buffer (rows padded
+// to 16 with zeros), then the column tiles over the threads as for the int8 kernels.
+void bf16_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+               int64_t n, int64_t k, int64_t group, bool int4, float* y) {
+  const int64_t padded = (m + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock;
+  thread_local std::vector<uint16_t> xb_buffer;
+  xb_buffer.resize(std::max<size_t>(xb_buffer.size(), padded * k));
+  uint16_t* xb = xb_buffer.data();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { a8_rows_to_bf16(x + r0 * k, (r1 - r0) * k, xb + r0 * k); });
+  std::fill(xb + m * k, xb + padded * k, uint16_t{0});
+  const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+                    mins.defined() ? mins.data_ptr() : nullptr, nullptr, reinterpret_cast<const uint8_t*>(xb),
+                    nullptr, nullptr, y, m, n, k, group, 1, int4, scales.scalar_type() == at::kHalf};
+  const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
+  edgeinfer_cpu::balanced_for(0, tiles, std::max<int64_t>(1, tiles / (4 * at::get_num_threads())),
+                              [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<uint8_t> scratch;  // the worker's own: a tile dequantized, aligned to 64
+    scratch.resize(std::max<size_t>(scratch.size(), k * 2 * kA8Cols + 64));
+    const auto at = reinterpret_cast<uintptr_t>(scratch.data());
+    a8_columns_amx_bf16(p, t0, t1, reinterpret_cast<uint8_t*>((at + 63) & ~uintptr_t(63)));
+  });
 }
 
 // The op: checks, then a8_gemm_rows.
@@ -165,6 +204,11 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   TORCH_CHECK(!has_mins || (mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
                              mins.numel() == scales.numel()),
               "mins must be shaped like the scales, in their dtype");
+  if (isa == "amx_bf16") {
+    TORCH_CHECK(terms == 1, "bf16 activations are one term, got ", terms);
+    if (m > 0 && n > 0) bf16_rows(x, m, codes, scales, has_mins ? mins : at::Tensor(), n, k, group, int4, y);
+    return;
+  }
   const int64_t rows = m * terms;  // with two terms, row 2r is x[r]'s codes and 2r + 1 its residual's
   // AMX from kAmxMinRows activation rows; fewer leave most of a 16-row tile idle, and the weight
   // read, not the arithmetic, bounds them: the AVX512-VNNI kernel runs those.

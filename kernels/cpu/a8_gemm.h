@@ -1,9 +1,9 @@
 // The int8-activation GEMM's problem description and its per-ISA column kernels.
 //
 // Shared by a8_gemm.cpp (the op: activation quantization, the ISA choice, threading; compiled
-// with the folder's AVX2 flags) and the three kernel translation units a8_gemm_avx512vnni.cpp,
-// a8_gemm_avxvnni.cpp, a8_gemm_avx2.cpp and a8_gemm_amx.cpp, each of which switches on its own instruction set
-// with `#pragma GCC target` at its top (the per-file equivalent of -m flags, which
+// with the folder's AVX2 flags) and the kernel translation units a8_gemm_avx512vnni.cpp,
+// a8_gemm_avxvnni.cpp, a8_gemm_avx2.cpp, a8_gemm_amx.cpp and a8_gemm_amx_bf16.cpp, each of which
+// switches on its own instruction set with `#pragma GCC target` at its top (the per-file equivalent of -m flags, which
 // torch.utils.cpp_extension cannot set per source). Those files include only this header,
 // <cstdint> and <immintrin.h> (always-inline intrinsics): an out-of-line inline function from
 // ATen or the standard library compiled there with AVX-512 could be the copy the linker keeps
@@ -56,5 +56,10 @@ void a8_columns_avx2(const A8Problem& p, int64_t tile0, int64_t tile1);
 // bytes (an int4 tile unpacked), the calling thread's own.
 void a8_columns_amx(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* scratch);
 constexpr int64_t kA8AmxBlock = 16;
+// AMX-BF16 (a8_gemm_amx_bf16.cpp): x is bf16 (uint16), rows padded to a multiple of 16, one term;
+// x_scale, x_gsum and wsum unused. scratch: 64-byte aligned, K x 32 bytes (a tile dequantized).
+void a8_columns_amx_bf16(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* scratch);
+// count fp32 values -> bf16, round to nearest even (AVX512-BF16).
+void a8_rows_to_bf16(const float* x, int64_t count, uint16_t* out);
 
 }  // namespace edgeinfer_cpu

@@ -16,7 +16,7 @@ from edgeinfer.models.loader import LoadedModel
 from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.build import build_model
-from kernels import cpu_ops
+from kernels import cpu_a8, cpu_ops
 from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 from quant.formats import QuantizedTensor, unpack_int4
@@ -321,12 +321,16 @@ def test_rope_tables_stop_at_the_planned_context() -> None:
     assert LlamaModel(config, loaded.weights).max_positions == 700  # no plan: the model's context
 
 
+BF16 = pytest.param("bf16", marks=pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported("amx_bf16"),
+                                                    reason="this CPU has no AMX-BF16"))
+
+
 @pytest.mark.parametrize("mixed", [False, True])
-@pytest.mark.parametrize("terms", [1, 2])
-def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: bool, terms: int) -> None:
-    """With int8 activations (kernels.cpu_a8, in one term or two) the fused step runs the a8
-    kernels for int4 and int8 linears (g16, g32 with mins) and matches the per-op forward on the
-    same kernels."""
+@pytest.mark.parametrize("terms", [1, 2, BF16])
+def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: bool, terms: int | str) -> None:
+    """With int8 activations (kernels.cpu_a8, in one term or two) or bf16 ones (AMX-BF16) the
+    fused step runs the a8 kernels for int4 and int8 linears (g16, g32 with mins) and matches
+    the per-op forward on the same kernels."""
     weights = dict(loaded.weights)
     if mixed:
         for i in range(CONFIG.num_layers):
@@ -334,8 +338,10 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
             weights[p + "mlp.down_proj.weight"] = _gguf_like_int8(weights[p + "mlp.down_proj.weight"], 16, False, i)
             weights[p + "self_attn.o_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.o_proj.weight"], 32, True,
                                                                      i)
-    backend = choose_backend("int4_cpu", "cpu", int8_activations=True, a8_terms=terms)
+    bf16 = terms == "bf16"
+    backend = choose_backend("int4_cpu", "cpu", int8_activations=True, a8_terms=1 if bf16 else terms, a8_bf16=bf16)
     a8 = LlamaModel(loaded.config, weights, backend)
+    assert a8._a8_isa == ("amx_bf16" if bf16 else cpu_a8.default_isa())
     assert a8.fused_steps and len(a8.weights.fused_wsums) == 4 * CONFIG.num_layers
     per_op = LlamaModel(loaded.config, weights, dataclasses.replace(backend, fused_step_max_tokens=0))
     g = torch.Generator().manual_seed(6)
@@ -348,5 +354,6 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
     # the next GEMM's input then moves a whole code step (1/127 of its block's largest value), so
     # single logits may differ by a few percent: the bound is on the whole. A wiring mistake (a
     # linear's weights, wsum or group) moves every logit by its own size.
-    # Two terms leave boundary flips a code step of the residual: 2^-7 of the above.
+    # Two terms leave boundary flips a code step of the residual: 2^-7 of the above; bf16 a
+    # last-bit flip of one value (2^-8 of it).
     assert float((fused - reference).norm() / reference.norm()) < (0.03 if terms == 1 else 1e-3)
