@@ -15,7 +15,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
 # How the CPU kernels round activations (kernels.dispatch).
-CPU_ACTIVATIONS = ("auto", "int16", "int8", "int8x2", "bf16")
+CPU_ACTIVATIONS = ("auto", "int16", "int8", "int8x2", "bf16", "bf16-prompts")
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
@@ -209,8 +209,9 @@ class RuntimeConfig:
     # (kernels.cpu_a8; llama.cpp's rounding, +0.5% perplexity); int8x2: x and its rounding
     # residual as two int8 terms, int16's accuracy through the same GEMMs; bf16: x and the
     # weights rounded to bf16, fp32 sums on the AMX-BF16 tile unit (Sapphire Rapids and later
-    # Xeons only; fastest from ~16 rows); auto: int8x2 where the CPU has VNNI, else int16
-    # (kernels.dispatch.resolve_cpu_activations).
+    # Xeons only; fastest from ~16 rows, slow for one); bf16-prompts: prompt tokens in bf16,
+    # generated ones in int8x2; auto: bf16-prompts where the CPU has AMX-BF16, int8x2 where it
+    # has VNNI, else int16 (kernels.dispatch.resolve_cpu_activations).
     cpu_activations: str = "auto"
 
     def __post_init__(self) -> None:

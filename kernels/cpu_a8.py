@@ -126,11 +126,13 @@ def default_isa() -> str:
     return next((isa for isa in ISAS if isa_supported(isa)), "avx2")
 
 
-def a8_linear(x: torch.Tensor, weight: A8Weight, isa: str | None = None) -> torch.Tensor:
+def a8_linear(x: torch.Tensor, weight: A8Weight, isa: str | None = None, bf16: bool | None = None) -> torch.Tensor:
     """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 32; with
     ``weight.terms`` 2, x's codes plus its rounding residual's codes, each a row of the GEMM) on
-    ``isa`` (default: ``default_isa()``); a ``weight.bf16`` weight runs x in bf16 on AMX-BF16."""
+    ``isa`` (default: ``default_isa()``); with ``bf16`` (default: ``weight.bf16``) x runs in bf16
+    on AMX-BF16 instead."""
     n, k = weight.shape
-    isa = BF16_ISA if weight.bf16 else isa or default_isa()
+    bf16 = weight.bf16 if bf16 is None else bf16
     return torch.ops.edgeinfer_cpu.a8_gemm(x, weight.codes, weight.scales, weight.mins, weight.wsum, n, k,
-                                           weight.group_size, weight.int4, isa, weight.terms)
+                                           weight.group_size, weight.int4, BF16_ISA if bf16 else isa or default_isa(),
+                                           1 if bf16 else weight.terms)

@@ -82,8 +82,10 @@ class Backend:
     # int16 per 4 values; needs the C++ ops.
     int8_activations: bool = False
     a8_terms: int = 1  # with int8_activations: 1 int8 term per activation, or 2 (kernels.cpu_a8)
-    # with int8_activations: the same GEMMs with bf16 activations on AMX-BF16 (cpu_activations bf16)
+    # with int8_activations: the same GEMMs with bf16 activations on AMX-BF16 for every row
+    # (cpu_activations bf16), or for the prompt rows only (bf16-prompts; generated rows int8x2)
     a8_bf16: bool = False
+    a8_bf16_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.linear_path not in LINEAR_PATHS:
@@ -98,6 +100,8 @@ class Backend:
         if self.a8_bf16 and (self.a8_terms != 1 or not self.int8_activations):
             raise ValueError(f"a8_bf16 runs on the a8 path (int8_activations) with one term, got "
                              f"int8_activations={self.int8_activations} a8_terms={self.a8_terms}")
+        if self.a8_bf16_prompts and (self.a8_bf16 or not self.int8_activations):
+            raise ValueError("a8_bf16_prompts runs on the a8 path (int8_activations), without a8_bf16")
         if self.int8_activations and not (self.cpu_ops and self.linear_path == "int4_cpu"):
             raise ValueError(f"int8 activations run on the int4_cpu linear path with the C++ CPU ops, not "
                              f"{self.linear_path} (cpu_ops={self.cpu_ops})")
@@ -109,29 +113,39 @@ VNNI_ISAS = ("amx", "avx512vnni", "avxvnni")
 
 
 def resolve_cpu_activations(requested: str, device: torch.device) -> str:
-    """RuntimeConfig.cpu_activations as it runs: "auto" is int8x2 on a CPU with VNNI, else int16.
-    int8x2 has int16's accuracy (default model: perplexity 46.584 vs 46.583, 8 of 8 prompts x 32
-    greedy tokens identical) and, on an AVX512-VNNI Xeon (docs/BENCHMARKS.md, 2026-11-26),
-    decodes the default model 1.25-1.47x (one stream) and 2.08x (16 streams) as fast, its prefill on a
-    par; a 1.7B Q4_K_M, bound by memory, decodes 0.89x and prefills 1.10x as fast."""
-    if requested == "bf16" and not (device.type == "cpu" and cpu_ops.available()
-                                    and cpu_a8.isa_supported(cpu_a8.BF16_ISA)):
-        raise ValueError("cpu_activations bf16 needs a CPU with AMX-BF16 (a Sapphire Rapids or later Xeon) and "
-                         "the C++ CPU ops; this machine has no such path: use int8x2 or int16")
+    """RuntimeConfig.cpu_activations as it runs: "auto" is bf16-prompts on a CPU with AMX-BF16,
+    int8x2 on one with VNNI, else int16. int8x2 has int16's accuracy (default model: perplexity
+    46.584 vs 46.583, 8 of 8 prompts x 32 greedy tokens identical) and, on an AVX512-VNNI Xeon
+    (docs/BENCHMARKS.md, 2026-11-26), decodes the default model 1.25-1.47x (one stream) and 2.08x
+    (16 streams) as fast, its prefill on a par; a 1.7B Q4_K_M, bound by memory, decodes 0.89x and
+    prefills 1.10x as fast. bf16-prompts keeps int8x2 for every generated token (decode speed
+    and a request's tokens whatever else runs beside it) and runs prompts in bf16 on the AMX tile
+    unit (perplexity 46.61, prefill ~1.5x int8x2's on an AMX Xeon, docs/BENCHMARKS.md)."""
+    if requested in ("bf16", "bf16-prompts") and not _has_amx_bf16(device):
+        raise ValueError(f"cpu_activations {requested} needs a CPU with AMX-BF16 (a Sapphire Rapids or later Xeon) "
+                         "and the C++ CPU ops; this machine has no such path: use int8x2 or int16")
     if requested != "auto":
         return requested
     if device.type != "cpu" or not cpu_ops.available():
         return "int16"
+    if cpu_a8.default_isa() == "amx" and _has_amx_bf16(device):  # not where EDGEINFER_CPU_ISA names another
+        return "bf16-prompts"
     return "int8x2" if cpu_a8.default_isa() in VNNI_ISAS else "int16"
 
 
+def _has_amx_bf16(device: torch.device) -> bool:
+    return device.type == "cpu" and cpu_ops.available() and cpu_a8.isa_supported(cpu_a8.BF16_ISA)
+
+
 def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu",
-                   int8_activations: bool = False, a8_terms: int = 1, a8_bf16: bool = False) -> Backend:
+                   int8_activations: bool = False, a8_terms: int = 1, a8_bf16: bool = False,
+                   a8_bf16_prompts: bool = False) -> Backend:
     """The backend for a requested linear path (RuntimeConfig.linear_path; "auto": Triton on CUDA,
     int4_cpu elsewhere) on ``device``, with the C++ ops wherever this machine runs them (on every
     linear path: the reference path's norms and attention are theirs too). ``int8_activations``
-    (RuntimeConfig.cpu_activations "int8" or "int8x2", whose ``a8_terms`` is 2; "bf16", ``a8_bf16``)
-    applies where the int4_cpu path has the C++ ops and is ignored elsewhere."""
+    (RuntimeConfig.cpu_activations "int8" or "int8x2", whose ``a8_terms`` is 2; "bf16", ``a8_bf16``;
+    "bf16-prompts", ``a8_bf16_prompts`` with two terms) applies where the int4_cpu path has the
+    C++ ops and is ignored elsewhere."""
     device = torch.device(device)
     if linear_path == "auto":
         linear_path = "triton" if device.type == "cuda" else "int4_cpu"
@@ -139,7 +153,8 @@ def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu"
     return Backend(device, linear_path, cpu_ops=native, triton=device.type == "cuda",
                    fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0,
                    int8_activations=int8_activations and native and linear_path == "int4_cpu", a8_terms=a8_terms,
-                   a8_bf16=a8_bf16 and int8_activations and native and linear_path == "int4_cpu")
+                   a8_bf16=a8_bf16 and int8_activations and native and linear_path == "int4_cpu",
+                   a8_bf16_prompts=a8_bf16_prompts and int8_activations and native and linear_path == "int4_cpu")
 
 
 @dataclass(frozen=True)
@@ -289,19 +304,27 @@ def _prepare_triton(weight: QuantizedTensor, device: torch.device) -> PreparedLi
     return PreparedLinear("triton", weight.shape, None, kernel=kernel)
 
 
-def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None = None,
+           bf16_rows: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T for x (..., K). Returns fp32 on the exact, prefill and AVX2 int4 paths, bf16
     from torch's int4/bf16 CPU kernels at thin M (left unconverted: the callers' next op, a
     residual add or RoPE against fp32 tensors, promotes it for free; a separate .float() costed
     ~2 us per call),
     x's dtype on Triton. ``scratch``: a reusable fp32 buffer for the int4_cpu prefill path (see
-    scratch_numel)."""
+    scratch_numel). ``bf16_rows``: (M,) bool, the rows an a8_cpu weight runs with bf16 activations
+    (Backend.a8_bf16_prompts: a step's prompt rows); the others run as the weight was prepared."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     path = weight.path
     if path in ("dense", "reference"):
         y = x2.float() @ weight.dense.t()
+    elif path == "a8_cpu" and bf16_rows is not None and bool(bf16_rows.any()):
+        y = torch.empty(m, weight.shape[0])
+        y[bf16_rows] = cpu_a8.a8_linear(x2[bf16_rows], weight.kernel, bf16=True)
+        rest = ~bf16_rows
+        if bool(rest.any()):
+            y[rest] = cpu_a8.a8_linear(x2[rest], weight.kernel)
     elif path == "a8_cpu":
         y = cpu_a8.a8_linear(x2, weight.kernel)
     elif path == "int4_cpu" and weight.kernel is not None:

@@ -60,6 +60,10 @@ class SeqStep:
     # sampled position (the next one, then after each draft): packed little-endian int32 words,
     # bit t % 32 of word t // 32 set when token t is allowed. Empty: unconstrained.
     guide_masks: tuple[bytes, ...] = ()
+    # How many of token_ids, from the first, are prompt tokens (the rest were generated: decode
+    # rows, drafts, or output recomputed after a preemption). The model may run prompt rows on
+    # another kernel (cpu_activations bf16-prompts) and keeps every generated row on one.
+    prompt_tokens: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:

@@ -255,7 +255,8 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         masks = seq.guide.masks(drafts) if sample and seq.guide is not None else ()
         return SeqStep(seq.seq_id, chunk, start, seq.kv.block_table, sample, seq.params,
                        tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
-                       drafts, beam_candidates, feed, feed_start, model_drafts, scored, masks)
+                       drafts, beam_candidates, feed, feed_start, model_drafts, scored, masks,
+                       prompt_tokens=max(0, min(len(new), len(seq.prompt_ids) - start)))
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.

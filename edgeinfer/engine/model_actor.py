@@ -140,7 +140,8 @@ class ModelActor:
             drafts = dict(zip([i for i, s in enumerate(plan.seqs) if s.model_drafts], proposed, strict=True))
         # Logits for each chunk's last token, for every draft position of a chunk with drafts, and
         # for the positions that score prompt tokens; rows of unfinished prefill chunks are dropped.
-        chunks = [SeqChunk(s.token_ids + drafts.get(i, ()), s.start_pos, s.block_table, num_logits=_num_logits(s))
+        chunks = [SeqChunk(s.token_ids + drafts.get(i, ()), s.start_pos, s.block_table, num_logits=_num_logits(s),
+                           prompt_tokens=s.prompt_tokens)
                   for i, s in enumerate(plan.seqs)]
         logits = self.runner.logits(chunks)
         ends = list(accumulate(c.num_logits for c in chunks))  # each chunk's last logits row + 1

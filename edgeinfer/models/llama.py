@@ -55,6 +55,8 @@ class BatchMeta:
     # in the pool (always so for a single-stream runner): CPU decode attention then reads K/V
     # as a view of the pool instead of gathering blocks.
     seq_view: tuple[int, int] | None = None
+    # (T,) bool on the CPU: the rows that are prompt tokens (SeqChunk.prompt_tokens); None: none.
+    prompt_rows: torch.Tensor | None = None
 
 
 HEAD_REFINE_ROWS = 64
@@ -184,10 +186,11 @@ class LlamaLayers:
         num_tokens = h.shape[0]
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
+        bf16_rows = self._bf16_rows(batch)
         x = self._rms_norm(h, layer.input_norm)
         if observe is not None:
             observe(index, "qkv", x)
-        qkv = linear(x, layer.qkv, self._scratch)  # (T, (Hq + 2 Hkv) * D)
+        qkv = linear(x, layer.qkv, self._scratch, bf16_rows)  # (T, (Hq + 2 Hkv) * D)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         qk = qkv[:, :q_size + kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -228,15 +231,19 @@ class LlamaLayers:
         x = attn.reshape(num_tokens, q_size).to(h.dtype)
         if observe is not None:
             observe(index, "o", x)
-        h = h + self._sandwich(linear(x, layer.o, self._scratch), layer.attn_out_norm)
+        h = h + self._sandwich(linear(x, layer.o, self._scratch, bf16_rows), layer.attn_out_norm)
         x = self._rms_norm(h, layer.post_norm)
         if observe is not None:
             observe(index, "gate_up", x)
-        gate, up = linear(x, layer.gate_up, self._scratch).chunk(2, dim=-1)
+        gate, up = linear(x, layer.gate_up, self._scratch, bf16_rows).chunk(2, dim=-1)
         x = self._act(gate) * up
         if observe is not None:
             observe(index, "down", x)
-        return h + self._sandwich(linear(x, layer.down, self._scratch), layer.mlp_out_norm)
+        return h + self._sandwich(linear(x, layer.down, self._scratch, bf16_rows), layer.mlp_out_norm)
+
+    def _bf16_rows(self, batch: BatchMeta) -> torch.Tensor | None:
+        """The rows the a8 linears run in bf16: the prompt rows with cpu_activations bf16-prompts."""
+        return batch.prompt_rows if self.backend.a8_bf16_prompts else None
 
     def _sandwich(self, x: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
         """A block's output before it joins the residual stream: normed where the spec has
@@ -289,8 +296,10 @@ class LlamaModel(LlamaLayers):
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(self.weights.embed, token_ids)
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = linear(h, self.weights.head).float()
+    def _head(self, h: torch.Tensor, batch: BatchMeta) -> torch.Tensor:
+        """Logits of the rows h (batch.logits_indices); prompt rows on their kernel, as the layers."""
+        rows = self._bf16_rows(batch)
+        logits = linear(h, self.weights.head, bf16_rows=None if rows is None else rows[batch.logits_indices]).float()
         if self.weights.head_exact is not None:
             top = logits.topk(min(HEAD_REFINE_ROWS, logits.shape[-1]), dim=-1).indices  # (L, R)
             rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
@@ -321,8 +330,9 @@ class LlamaModel(LlamaLayers):
             tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
             a8_wsums=self.weights.fused_wsums, a8_isa=self._a8_isa if self.weights.fused_wsums else "",
             a8_terms=self.backend.a8_terms,
+            a8_bf16_rows=self._bf16_rows(batch),
         )
-        return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))
+        return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool,
@@ -337,7 +347,7 @@ class LlamaModel(LlamaLayers):
         h = self.embed_tokens(token_ids)  # (T, hidden)
         for index, layer in enumerate(self.weights.layers):
             h = self.decoder_layer(index, layer, h, step)
-        return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm))
+        return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 
 
 def _inv_freq(theta: float, head_dim: int) -> torch.Tensor:

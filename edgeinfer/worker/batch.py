@@ -28,6 +28,7 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
     block_table: tuple[int, ...]  # physical block ids covering positions 0 .. start_pos + len - 1
     num_logits: int = 1  # logits wanted for the last num_logits new tokens (k + 1 when verifying drafts)
+    prompt_tokens: int = 0  # how many of token_ids, from the first, are prompt tokens (SeqStep.prompt_tokens)
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, BatchMeta]:
@@ -37,6 +38,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
     starts = [0]
     context_lens: list[int] = []
     logits_indices: list[int] = []
+    prompt_rows: list[bool] = []
     max_blocks = max(len(c.block_table) for c in chunks)
     tables: list[int] = []  # (S, max_blocks) row-major, padded with 0
     for chunk in chunks:
@@ -57,6 +59,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         logits_indices.extend(range(base + n - chunk.num_logits, base + n))
         tables.extend(table)
         tables.extend([0] * (max_blocks - len(table)))
+        prompt_rows.extend(i < chunk.prompt_tokens for i in range(n))
     # One host tensor per dtype, cut into views: a decode step's batch is a few tensor
     # constructions (and on CUDA a few copies), not one per field.
     num = len(token_ids)
@@ -72,6 +75,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -
         logits_indices=longs[3 * num:],
         is_decode=num == len(chunks),
         seq_view=_consecutive_blocks(chunks[0], block_size) if len(chunks) == 1 else None,
+        prompt_rows=torch.tensor(prompt_rows) if any(prompt_rows) else None,
     )
     return longs[:num], meta
 

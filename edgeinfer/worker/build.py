@@ -43,7 +43,8 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
         torch.set_num_threads(runtime.num_threads)
     activations = resolve_cpu_activations(runtime.cpu_activations, device)
     backend = choose_backend(runtime.linear_path, device, int8_activations=activations != "int16",
-                             a8_terms=2 if activations == "int8x2" else 1, a8_bf16=activations == "bf16")
+                             a8_terms=2 if activations in ("int8x2", "bf16-prompts") else 1,
+                             a8_bf16=activations == "bf16", a8_bf16_prompts=activations == "bf16-prompts")
     if backend.linear_path == "int4_cpu":
         log.info("CPU activations: %s%s", activations, " (auto)" if runtime.cpu_activations == "auto" else "")
     # The quantized head with exact refinement only pays on the CPU int4 path.

@@ -179,7 +179,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
                    at::TensorList k_scales, at::TensorList v_scales, at::TensorList k_zeros, at::TensorList v_zeros,
                    const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
-                   at::TensorList a8_wsums, const std::string& a8_isa, int64_t a8_terms) {
+                   at::TensorList a8_wsums, const std::string& a8_isa, int64_t a8_terms,
+                   const c10::optional<at::Tensor>& a8_bf16_rows) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -282,12 +283,23 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     TORCH_CHECK(len[t] > 0 && len[t] <= tables.size(1) * k0.size(1), "context_lens[", t, "] exceeds its block table");
   }
 
+  // a8: rows marked in a8_bf16_rows (a step's prompt tokens) run in bf16 on AMX-BF16, each run
+  // of consecutive marked or unmarked rows one GEMM.
+  std::vector<uint8_t> bf16_row(m, 0);
+  if (a8_bf16_rows.has_value() && a8_bf16_rows->defined()) {
+    const at::Tensor marks = a8_bf16_rows->to(at::kBool).contiguous();
+    TORCH_CHECK(a8 && marks.numel() == m, "a8_bf16_rows needs a8 linears and one mark per row (M)");
+    std::copy_n(marks.data_ptr<bool>(), m, bf16_row.begin());
+  }
   // Linear j of layer l (qkv, o, gate_up, down) at w[at] (codes, scales, mins): y (m, n) = x @ W.T.
   const auto linear = [&](const at::TensorList& w, int64_t l, int64_t j, int64_t at, const float* in, int64_t n,
                           int64_t k, float* out) {
     if (a8) {
-      edgeinfer_cpu::a8_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], a8_wsums[4 * l + j], n, k, a8_isa, out,
-                                  a8_terms);
+      for (int64_t r0 = 0, r1 = 0; r0 < m; r0 = r1) {
+        for (r1 = r0 + 1; r1 < m && bf16_row[r1] == bf16_row[r0];) ++r1;
+        edgeinfer_cpu::a8_gemm_rows(in + r0 * k, r1 - r0, w[at], w[at + 1], w[at + 2], a8_wsums[4 * l + j], n, k,
+                                    bf16_row[r0] ? "amx_bf16" : a8_isa, out + r0 * n, bf16_row[r0] ? 1 : a8_terms);
+      }
     } else {
       edgeinfer_cpu::quantized_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], group[4 * l + j], out);
     }
@@ -362,7 +374,8 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] weights, Tensor cos, Tensor signed_sin, "
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
-        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1) -> ()");
+        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1, "
+        "Tensor? a8_bf16_rows=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -73,6 +73,35 @@ def test_chunked_prefill_keeps_decodes_running() -> None:
     assert tokens_of(out["long"]) == expected_tokens(list(range(1, 12)), 2)[1:]
 
 
+def test_steps_count_their_prompt_tokens() -> None:
+    """SeqStep.prompt_tokens: a prompt chunk's length, 0 for a decode row, and for a sequence
+    recomputed after a preemption (prompt + output in one chunk) the prompt's length only: the
+    model runs those rows on the prompt kernel (cpu_activations bf16-prompts), the rest as
+    decodes, so a request's tokens do not depend on whether it was preempted."""
+    sched, model = make(num_blocks=16, max_num_seqs=2, max_num_batched_tokens=4)
+    sched.add_request("short", [1, 2], SamplingParams(temperature=0.0, max_tokens=8))
+    plan, _ = step(sched, model)
+    assert plan.seqs[0].prompt_tokens == 2
+    sched.add_request("long", list(range(1, 12)), SamplingParams(temperature=0.0, max_tokens=2))
+    for _ in range(4):
+        plan, _ = step(sched, model)
+        assert plan.seqs[0].prompt_tokens == 0  # the decode
+        assert plan.seqs[1].prompt_tokens == len(plan.seqs[1].token_ids)  # 3, 3, 3, 2
+
+    sched, model = make(num_blocks=6)
+    prompts = {f"r{i}": [i + 1] * (3 + i) for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6))
+    recomputed = []  # chunks of several tokens that reach past the prompt: output run again
+    while sched.has_work:
+        plan, _ = step(sched, model)
+        recomputed += [s for s in plan.seqs
+                       if len(s.token_ids) > 1 and s.start_pos + len(s.token_ids) > len(prompts[f"r{s.seq_id}"])]
+    assert sched.num_preemptions > 0 and recomputed
+    for s in recomputed:
+        assert s.prompt_tokens == max(0, len(prompts[f"r{s.seq_id}"]) - s.start_pos) < len(s.token_ids)
+
+
 def test_admission_prices_the_whole_request() -> None:
     sched, model = make()  # 8 blocks of 4 = 32 slots
     params = SamplingParams(temperature=0.0, max_tokens=8)  # 12 + 8 tokens: 5 blocks for life

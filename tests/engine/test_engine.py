@@ -19,6 +19,7 @@ from edgeinfer.engine.api import Engine
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.model_runner import ModelRunner
+from kernels import cpu_a8, cpu_ops
 from kernels.dispatch import choose_backend
 from kernels.kv_pool import KVPool
 
@@ -103,9 +104,9 @@ async def check_same_as_alone(loaded, model, batched: dict[str, list], reqs) -> 
                 assert gap < NEAR_TIE, f"{rid}: token {j} differs ({got[j]} vs {alone[j]}), top-2 gap {gap}"
 
 
-async def concurrent_matches_alone(loaded, model, n: int) -> None:  # noqa: ANN001
+async def concurrent_matches_alone(loaded, model, n: int, token_budget: int = 256) -> None:  # noqa: ANN001
     reqs = requests(n, loaded.tokenizer)
-    engine = make_engine(loaded, model, 64, max_num_seqs=n, max_num_batched_tokens=256)
+    engine = make_engine(loaded, model, 64, max_num_seqs=n, max_num_batched_tokens=token_budget)
     with anyio.fail_after(TIMEOUT_S):
         async with engine:
             batched = await generate_all(engine, reqs)
@@ -119,6 +120,19 @@ async def concurrent_matches_alone(loaded, model, n: int) -> None:  # noqa: ANN0
 
 async def test_32_concurrent_greedy_match_alone(loaded_model, model) -> None:  # noqa: ANN001
     await concurrent_matches_alone(loaded_model, model, 32)
+
+
+@pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported(cpu_a8.BF16_ISA),
+                    reason="this CPU has no AMX-BF16")
+async def test_concurrent_greedy_match_alone_with_bf16_prompts(loaded_model) -> None:  # noqa: ANN001
+    """cpu_activations bf16-prompts (auto on AMX-BF16 CPUs): prompt rows in bf16, generated rows
+    in int8x2, in steps that mix both; each request's tokens as alone. Steps of up to 128 tokens
+    (the fused step's bound): a longer one attends in another order (the per-op forward), whose
+    last-bit differences bf16's coarser rounding turns into near ties at its own scale (16
+    requests at a 256-token budget: one differed, top-2 gap 0.0055)."""
+    backend = choose_backend("int4_cpu", "cpu", int8_activations=True, a8_terms=2, a8_bf16_prompts=True)
+    model = LlamaModel(loaded_model.config, loaded_model.weights, backend)
+    await concurrent_matches_alone(loaded_model, model, 16, token_budget=backend.fused_step_max_tokens)
 
 
 async def test_small_pool_preempts_and_resumes(loaded_model, model) -> None:  # noqa: ANN001

@@ -357,3 +357,43 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
     # Two terms leave boundary flips a code step of the residual: 2^-7 of the above; bf16 a
     # last-bit flip of one value (2^-8 of it).
     assert float((fused - reference).norm() / reference.norm()) < (0.03 if terms == 1 else 1e-3)
+
+
+@pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported("amx_bf16"), reason="this CPU has no AMX-BF16")
+@pytest.mark.parametrize("fused", [True, False])
+def test_prompt_rows_run_bf16_and_generated_rows_int8x2(loaded: LoadedModel, fused: bool) -> None:
+    """cpu_activations bf16-prompts: in one step, the rows marked as prompt tokens get exactly the
+    logits of an all-bf16 model and the others exactly those of an int8x2 model (each row its own
+    sequence, so rows meet only in the GEMMs), in the fused step and the per-op forward alike."""
+    def model_for(**flags) -> LlamaModel:
+        backend = choose_backend("int4_cpu", "cpu", int8_activations=True, **flags)
+        if not fused:
+            backend = dataclasses.replace(backend, fused_step_max_tokens=0)
+        return LlamaModel(loaded.config, loaded.weights, backend)
+
+    int8x2, bf16 = model_for(a8_terms=2), model_for(a8_bf16=True)
+    hybrid = model_for(a8_terms=2, a8_bf16_prompts=True)
+    g = torch.Generator().manual_seed(8)
+    lengths, tables = (5, 9, 3, 7), [(1, 2, 3), (4, 5, 6), (7, 8), (9, 10, 11)]
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    marks = (1, 0, 1, 0)
+    chunks = [SeqChunk((int(torch.randint(0, CONFIG.vocab_size, (), generator=g)),), n, t, prompt_tokens=p)
+              for n, t, p in zip(lengths, tables, marks, strict=True)]
+    token_ids, batch = build_batch(chunks, BLOCK, hybrid.device)
+    assert batch.prompt_rows.tolist() == [True, False, True, False]
+    out = {}
+    for name, model in (("int8x2", int8x2), ("bf16", bf16), ("hybrid", hybrid)):
+        pool = _prefilled(int8x2, "fp32", prompts, tables)  # the same caches for all three
+        assert model.runs_fused(len(token_ids), pool) == fused
+        out[name] = model.forward(token_ids, batch, pool)
+    assert torch.equal(out["hybrid"][0::2], out["bf16"][0::2])
+    assert torch.equal(out["hybrid"][1::2], out["int8x2"][1::2])
+    assert not torch.equal(out["bf16"], out["int8x2"])  # the two arithmetics differ: the check can fail
+
+
+def test_batches_mark_prompt_rows() -> None:
+    chunks = [SeqChunk((1, 2, 3, 4), 0, (0, 1), prompt_tokens=3), SeqChunk((5,), 7, (2, 3))]
+    _, batch = build_batch(chunks, BLOCK, torch.device("cpu"))
+    assert batch.prompt_rows.tolist() == [True, True, True, False, False]
+    _, batch = build_batch([SeqChunk((5,), 7, (2, 3))], BLOCK, torch.device("cpu"))
+    assert batch.prompt_rows is None
