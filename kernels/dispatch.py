@@ -27,7 +27,9 @@ Linear layers: weight -> kernel-ready form (once, at load, ``prepare_linear``) -
   per 32, in one or two terms; vpdpbusd on AVX512-VNNI / AVX-VNNI, vpmaddubsw on AVX2) at every
   M, prefill chunks included, and in the fused step: SmolLM2-135M's MLP shapes at M = 16-64 run
   3-10x the int16 kernel and 2-4x dequantize + fp32 GEMM (tools/bench_int8_gemm.py), M = 1 ~3x
-  the int16 kernel (one term).
+  the int16 kernel (one term). On AMX-BF16 CPUs the same tiles run with bf16 activations for
+  every row (``a8_bf16``) or for a step's prompt rows (``a8_bf16_prompts``; ``linear``'s
+  ``bf16_rows``), generated rows staying int8x2.
 - ``triton``: the Triton W4A16/W8A16 kernels (CUDA).
 - ``reference``: dequantize to fp32 and matmul in fp32; exact, the oracle for the tests.
 
@@ -120,7 +122,8 @@ def resolve_cpu_activations(requested: str, device: torch.device) -> str:
     (16 streams) as fast, its prefill on a par; a 1.7B Q4_K_M, bound by memory, decodes 0.89x and
     prefills 1.10x as fast. bf16-prompts keeps int8x2 for every generated token (decode speed
     and a request's tokens whatever else runs beside it) and runs prompts in bf16 on the AMX tile
-    unit (perplexity 46.61, prefill ~1.5x int8x2's on an AMX Xeon, docs/BENCHMARKS.md)."""
+    unit (perplexity 46.61; 256-token prefill 1.3x int8x2's on the default model, 1.9x on a 1.7B
+    Q4_K_M, 1.2x on its Q8_0; docs/BENCHMARKS.md)."""
     if requested in ("bf16", "bf16-prompts") and not _has_amx_bf16(device):
         raise ValueError(f"cpu_activations {requested} needs a CPU with AMX-BF16 (a Sapphire Rapids or later Xeon) "
                          "and the C++ CPU ops; this machine has no such path: use int8x2 or int16")
@@ -320,11 +323,12 @@ def linear(x: torch.Tensor, weight: PreparedLinear, scratch: torch.Tensor | None
     if path in ("dense", "reference"):
         y = x2.float() @ weight.dense.t()
     elif path == "a8_cpu" and bf16_rows is not None and bool(bf16_rows.any()):
-        y = torch.empty(m, weight.shape[0])
-        y[bf16_rows] = cpu_a8.a8_linear(x2[bf16_rows], weight.kernel, bf16=True)
-        rest = ~bf16_rows
-        if bool(rest.any()):
-            y[rest] = cpu_a8.a8_linear(x2[rest], weight.kernel)
+        if bool(bf16_rows.all()):  # a prompt-only step: no gather and scatter
+            y = cpu_a8.a8_linear(x2, weight.kernel, bf16=True)
+        else:
+            y = torch.empty(m, weight.shape[0])
+            y[bf16_rows] = cpu_a8.a8_linear(x2[bf16_rows], weight.kernel, bf16=True)
+            y[~bf16_rows] = cpu_a8.a8_linear(x2[~bf16_rows], weight.kernel)
     elif path == "a8_cpu":
         y = cpu_a8.a8_linear(x2, weight.kernel)
     elif path == "int4_cpu" and weight.kernel is not None:

@@ -1,13 +1,15 @@
-"""Greedy parity of int8 activations (kernels.cpu_a8) against the int16-activation path.
+"""Greedy parity of int8 (or bf16) activations (kernels.cpu_a8) against the int16-activation path.
 
 On the default model (or --model), 8 prompts, 32 greedy tokens each: the int16 path's greedy
 continuation, then the int8 path's own; where they part, the int16 path's top-2 logit gap at
 that step says whether it was a near tie (< --tie, 0.05). Also, teacher-forced on the int16
 continuation, every step where the two paths' choices differ and its gap. Exact head on both
 (the checkpoint's own output layer), fp32 KV cache, so only the activation rounding differs.
+The prompt's tokens are marked as such (bf16-prompts runs them in bf16, the continuation int8x2).
 Perplexity is ``edgeinfer eval-ppl MODEL --linear-path int4_cpu --cpu-activations int8|int16``.
 
-    python tools/a8_accuracy.py [--activations int8|int8x2] [--model PATH] [--tokens 32] [--tie 0.05]
+    python tools/a8_accuracy.py [--activations int8|int8x2|bf16|bf16-prompts] [--model PATH] [--tokens 32]
+                                [--tie 0.05]
 """
 
 from __future__ import annotations
@@ -41,18 +43,20 @@ PROMPTS = [
 BLOCK = 16
 
 
-def _logits(model: LlamaModel, ids: list[int], num_logits: int) -> torch.Tensor:
-    """fp32 (num_logits, vocab): the logits after each of the last ``num_logits`` tokens of ids."""
+def _logits(model: LlamaModel, ids: list[int], num_logits: int, prompt_tokens: int) -> torch.Tensor:
+    """fp32 (num_logits, vocab): the logits after each of the last ``num_logits`` tokens of ids,
+    whose first ``prompt_tokens`` are the prompt."""
     blocks = -(-len(ids) // BLOCK)
     pool = kv_pool(model.config, blocks, BLOCK, "fp32", "fp32", model.device)
-    token_ids, batch = build_batch([SeqChunk(tuple(ids), 0, tuple(range(blocks)), num_logits)], BLOCK, model.device)
+    chunk = SeqChunk(tuple(ids), 0, tuple(range(blocks)), num_logits, prompt_tokens=prompt_tokens)
+    token_ids, batch = build_batch([chunk], BLOCK, model.device)
     return model.forward(token_ids, batch, pool).float()
 
 
 def _greedy(model: LlamaModel, prompt: list[int], steps: int) -> list[int]:
     ids = list(prompt)
     for _ in range(steps):
-        ids.append(int(_logits(model, ids, 1)[-1].argmax()))
+        ids.append(int(_logits(model, ids, 1, len(prompt))[-1].argmax()))
     return ids[len(prompt):]
 
 
@@ -66,8 +70,8 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--tie", type=float, default=0.05, help="top-2 logit gap below which a choice is a near tie")
-    parser.add_argument("--activations", default="int8", choices=("int8", "int8x2"),
-                        help="the int8-activation mode judged against int16 (default: int8)")
+    parser.add_argument("--activations", default="int8", choices=("int8", "int8x2", "bf16", "bf16-prompts"),
+                        help="the activation mode judged against int16 (default: int8)")
     args = parser.parse_args()
     loaded = load_model(args.model or default_model_path())
     models = {a: build_model(loaded, RuntimeConfig(linear_path="int4_cpu", cpu_activations=a, exact_head=True))
@@ -77,7 +81,7 @@ def main() -> int:
         prompt = loaded.tokenizer.encode(text)
         reference = _greedy(models["int16"], prompt, args.tokens)
         ours = _greedy(models[args.activations], prompt, args.tokens)
-        forced = {a: _logits(m, prompt + reference[:-1], args.tokens) for a, m in models.items()}
+        forced = {a: _logits(m, prompt + reference[:-1], args.tokens, len(prompt)) for a, m in models.items()}
         differ = [(j, _gap(forced["int16"][j])) for j in range(args.tokens)
                   if int(forced[args.activations][j].argmax()) != reference[j]]
         split = next((j for j, (a, b) in enumerate(zip(reference, ours, strict=True)) if a != b), None)

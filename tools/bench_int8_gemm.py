@@ -10,7 +10,7 @@ machine's int8 peak for their instruction set (tools/int8_peak.py, on the same t
 runs --repeats calls in a row (the median counts); run it with nice, on a quiet machine.
 
     python tools/bench_int8_gemm.py [--format int4|int8] [--shapes 135m|1.7b] [--m 1 4 16 64 256] [--threads 2]
-                                    [--repeats 15]
+                                    [--repeats 15] [--terms 1|2]
 """
 
 from __future__ import annotations
@@ -57,9 +57,12 @@ def _median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
 
 
 def _calls(x: torch.Tensor, a8: cpu_a8.A8Weight, isas: list[str], int16: Callable[[torch.Tensor], object],
-           w_fp32: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The contenders for one input: the a8 kernel per ISA, the int16 kernel, fp32."""
+           w_fp32: torch.Tensor, bf16: bool) -> dict[str, Callable[[], object]]:
+    """The contenders for one input: the a8 kernel per ISA, bf16 on AMX-BF16 (where ``bf16``),
+    the int16 kernel, fp32."""
     calls: dict[str, Callable[[], object]] = {isa: functools.partial(cpu_a8.a8_linear, x, a8, isa) for isa in isas}
+    if bf16:
+        calls[cpu_a8.BF16_ISA] = functools.partial(cpu_a8.a8_linear, x, a8, None, True)
     calls["int16"] = functools.partial(int16, x)
     calls["fp32"] = functools.partial(torch.matmul, x, w_fp32.t())
     return calls
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--format", choices=["int4", "int8"], default="int4")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--terms", type=int, choices=(1, 2), default=1, help="int8 activation terms (2: int8x2)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="135m", help="whose MLP shapes (default: 135m)")
     args = parser.parse_args()
@@ -77,9 +81,12 @@ def main() -> None:
         sys.exit("the C++ CPU ops do not build here")
     torch.set_num_threads(args.threads)
     isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
+    bf16 = cpu_a8.isa_supported(cpu_a8.BF16_ISA)
     peaks = {isa: peak_gops(isa, args.threads) for isa in isas}
-    print(f"{args.threads} threads; int8 peak GOP/s: " + ", ".join(f"{isa} {p:.0f}" for isa, p in peaks.items()))
-    print(f"{'shape':>9} {'M':>4} " + " ".join(f"{name:>20}" for name in [*isas, "int16", "fp32"])
+    print(f"{args.threads} threads, int8 kernels with {args.terms} term(s); int8 peak GOP/s: "
+          + ", ".join(f"{isa} {p:.0f}" for isa, p in peaks.items()))
+    print(f"{'shape':>9} {'M':>4} " + " ".join(f"{name:>20}" for name in [*isas, *[cpu_a8.BF16_ISA] * bf16,
+                                                                             "int16", "fp32"])
           + f" {isas[0] + ' read':>10}")
     for label, (n, k) in SHAPES[args.shapes].items():
         dense = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
@@ -87,7 +94,7 @@ def main() -> None:
         # fp16 scales and mins, as a GGUF's (Q4_1, Q8_0, the K-quants' products) are
         weight = replace(weight, scales=weight.scales.half(),
                          mins=None if weight.mins is None else weight.mins.half())
-        a8 = cpu_a8.prepare_a8(weight)
+        a8 = cpu_a8.prepare_a8(weight, args.terms)
         if args.format == "int4":
             int16_weight = cpu_ops.prepare_int4(weight)
             int16 = cpu_ops.int4_linear
@@ -97,7 +104,8 @@ def main() -> None:
         w_fp32 = weight.dequantize(torch.float32)
         for m in args.m:
             x = torch.randn(m, k)
-            us = _median_us(_calls(x, a8, isas, functools.partial(int16, weight=int16_weight), w_fp32), args.repeats)
+            us = _median_us(_calls(x, a8, isas, functools.partial(int16, weight=int16_weight), w_fp32, bf16),
+                            args.repeats)
             cells = []
             for name, t in us.items():
                 gops = 2 * m * n * k / t / 1e3

@@ -1,7 +1,8 @@
 // int4 / int8 weight x int8 activation GEMMs: the op around the per-ISA kernels.
 //
 // Op torch.ops.edgeinfer_cpu.a8_gemm; kernels/cpu_ops.py prepares the weight tiles (a8_gemm.h)
-// and picks the instruction set once (a8_isa_supported: AMX, then AVX512-VNNI, AVX-VNNI, AVX2);
+// and picks the instruction set once (a8_isa_supported: AMX, then AVX512-VNNI, AVX-VNNI, AVX2;
+// "amx_bf16" is not an int8 choice: x in bf16 on AMX-BF16, bf16_rows, a8_gemm_amx_bf16.cpp);
 // kernels.reference.int8_activation_gemm_reference computes the same rounding in torch.
 // Here: each activation row is quantized symmetrically to int8 with a scale per 32 values (16
 // for int8 groups of 16; absmax / 127, round half to even) and its exact fp32 group sums (the
