@@ -397,3 +397,34 @@ def test_batches_mark_prompt_rows() -> None:
     assert batch.prompt_rows.tolist() == [True, True, True, False, False]
     _, batch = build_batch([SeqChunk((5,), 7, (2, 3))], BLOCK, torch.device("cpu"))
     assert batch.prompt_rows is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "int8", "int4"])
+def test_fused_decode_with_kv_heads_and_long_contexts_matches_the_per_op_forward(kv_dtype: str) -> None:
+    """Two KV heads of three query heads each and contexts long enough to be cut into parts
+    (one sequence of 300 tokens beside one of 9): the C++ decode attention runs each sequence's
+    KV heads in one work unit, reading each head's rows, scales and zeros at its own offset."""
+    config = ModelConfig(**{**CONFIG.to_dict(), "num_heads": 6, "num_kv_heads": 2, "max_position": 400})
+    loaded = synthetic_model(config, "int4", group_size=32, seed=9)
+    fused = LlamaModel(config, loaded.weights)
+    per_op = LlamaModel(config, loaded.weights, dataclasses.replace(fused.backend, fused_step_max_tokens=0))
+    g = torch.Generator().manual_seed(3)
+    lengths, tables = (300, 9), [tuple(range(80, 4, -1)), (90, 81, 95)]
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    pools = []
+    for model in (fused, per_op):
+        pool = KVPool(config.num_layers, 96, BLOCK, config.num_kv_heads, config.head_dim, kv_dtype, kv_dtype,
+                      model.device)
+        for ids, table in zip(prompts, tables, strict=True):
+            model.forward(*build_batch([SeqChunk(tuple(ids), 0, table)], BLOCK, model.device), pool)
+        pools.append(pool)
+    if kv_dtype in ("int8", "int4"):
+        pools[1] = copy.deepcopy(pools[0])  # the same codes: only the attention differs
+    tol = {"int8": 1 / 127, "int4": 1 / 15}.get(kv_dtype, 1e-3)
+    for step in range(2):
+        chunks = [SeqChunk((int(torch.randint(0, config.vocab_size, (), generator=g)),), n + step, t)
+                  for n, t in zip(lengths, tables, strict=True)]
+        token_ids, batch = build_batch(chunks, BLOCK, fused.device)
+        assert fused.runs_fused(2, pools[0]) and not per_op.runs_fused(2, pools[1])
+        a, b = fused.forward(token_ids, batch, pools[0]), per_op.forward(token_ids, batch, pools[1])
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
