@@ -49,16 +49,22 @@ def worker_llamacpp(model: str, prompt_tokens: int, new_tokens: int, threads: in
     llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_tokens + new_tokens + 8,
                 n_batch=512, verbose=False, logits_all=False)
     ids = _prompt_ids(lambda t: llm.tokenize(t.encode(), add_bos=False), prompt_tokens)
+
+    def next_token() -> int:
+        # The last token's logits, from the context (without logits_all the binding keeps no
+        # scores: llm.scores is never written, and it has n_batch rows, fewer than a long prompt).
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
     llm.eval(ids[:16])  # warm-up
     llm.reset()
     start = time.perf_counter()
     llm.eval(ids)
     prefill_s = time.perf_counter() - start
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = next_token()
     start = time.perf_counter()
     for _ in range(new_tokens):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = next_token()
     decode_s = time.perf_counter() - start
     return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": new_tokens / decode_s, "peak_rss_mb": _peak_rss_mb()}
 
