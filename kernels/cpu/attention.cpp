@@ -100,6 +100,19 @@ void weighted_values(const float* p, int64_t stride, const T* v_cache, const int
   for (int j = 0; j < G; ++j) _mm256_storeu_ps(o + j * head_dim + d0, _mm256_add_ps(even[j], odd[j]));
 }
 
+// run(j0, heads) over the g query heads in passes of up to kMaxGroup (heads: an integral_constant).
+template <typename F>
+void head_passes(int64_t g, const F& run) {
+  for (int64_t j0 = 0; j0 < g; j0 += kMaxGroup) {
+    switch (std::min<int64_t>(kMaxGroup, g - j0)) {
+      case 4: run(j0, std::integral_constant<int, 4>()); break;
+      case 3: run(j0, std::integral_constant<int, 3>()); break;
+      case 2: run(j0, std::integral_constant<int, 2>()); break;
+      default: run(j0, std::integral_constant<int, 1>()); break;
+    }
+  }
+}
+
 // The fp16 scales (and int4 zeros) of quantized caches, null for plain ones. int8: one scale per
 // (token, head), at srow = slot * Hkv + h; int4: a scale and a zero per 32 channels of each
 // (token, head), at srow * head_dim / 32.
@@ -149,17 +162,7 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
                   float* o, const KvScales& sc) {
   const int64_t stride = len + 8;
-  // Heads in passes of up to kMaxGroup (a pass per 4 heads still reads each vector once per pass).
-  const auto passes = [&](auto&& run) {
-    for (int64_t j0 = 0; j0 < g; j0 += kMaxGroup) {
-      switch (std::min<int64_t>(kMaxGroup, g - j0)) {
-        case 4: run(j0, std::integral_constant<int, 4>()); break;
-        case 3: run(j0, std::integral_constant<int, 3>()); break;
-        case 2: run(j0, std::integral_constant<int, 2>()); break;
-        default: run(j0, std::integral_constant<int, 1>()); break;
-      }
-    }
-  };
+  const auto passes = [&](auto&& run) { head_passes(g, run); };
   passes([&](int64_t j0, auto heads) {
     key_scores<decltype(heads)::value>(q + j0 * head_dim, k_cache, rows, len, head_dim, scale, scores + j0 * stride,
                                        stride);
@@ -191,46 +194,64 @@ inline __m256 unpack8_int4(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_set_m128i(_mm_unpackhi_epi32(low, high), _mm_unpacklo_epi32(low, high)));
 }
 
-// attend_part for int4 caches: x = code * scale + zero per 32 channels, so a key's score is
-// sum_g (scale_g q_g . codes_g + zero_g sum(q_g)), and a value adds p * scale_g * codes_g to o
-// and p * zero_g to the group's channels (summed over tokens first).
-void attend_part_int4(const float* qj, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* srows,
-                      int64_t len, int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, float* o,
-                      const KvScales& sc) {
+// attend_group for int4 caches, G query heads at q (head_dim apart): x = code * scale + zero per
+// 32 channels, so a key's score is sum_g (scale_g q_g . codes_g + zero_g sum(q_g)), and a value
+// adds p * scale_g * codes_g to o and p * zero_g to the group's channels (summed over tokens
+// first). Each key's and value's codes are unpacked once for the G heads (one pass per head
+// before: at 2048 tokens the default model decoded 43-47 tok/s with an int4 cache, now 51-55).
+template <int G>
+void attend_int4(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* srows, int64_t len,
+                 int64_t head_dim, float scale, float* scores, int64_t stride, float* m, float* l, float* o,
+                 const KvScales& sc) {
   const int64_t groups = head_dim / 32, row_bytes = head_dim / 2;
-  float q_sum[16], zero_sum[16] = {};  // head_dim <= 512
-  for (int64_t g = 0; g < groups; ++g) q_sum[g] = hsum(_mm256_add_ps(
-      _mm256_add_ps(_mm256_loadu_ps(qj + 32 * g), _mm256_loadu_ps(qj + 32 * g + 8)),
-      _mm256_add_ps(_mm256_loadu_ps(qj + 32 * g + 16), _mm256_loadu_ps(qj + 32 * g + 24))));
+  float q_sum[G][16], zero_sum[G][16] = {};  // head_dim <= 512
+  for (int j = 0; j < G; ++j) {
+    const float* qj = q + j * head_dim;
+    for (int64_t g = 0; g < groups; ++g) q_sum[j][g] = hsum(_mm256_add_ps(
+        _mm256_add_ps(_mm256_loadu_ps(qj + 32 * g), _mm256_loadu_ps(qj + 32 * g + 8)),
+        _mm256_add_ps(_mm256_loadu_ps(qj + 32 * g + 16), _mm256_loadu_ps(qj + 32 * g + 24))));
+  }
   for (int64_t t = 0; t < len; ++t) {
     const uint8_t* key = k_cache + srows[t] * row_bytes;
     const c10::Half* ks = sc.k_scale + srows[t] * groups;
     const c10::Half* kz = sc.k_zero + srows[t] * groups;
-    float total = 0.0f;
+    float total[G] = {};
     for (int64_t g = 0; g < groups; ++g) {
-      __m256 acc = _mm256_mul_ps(unpack8_int4(key + 16 * g), _mm256_loadu_ps(qj + 32 * g));
-      for (int i = 1; i < 4; ++i) acc = _mm256_fmadd_ps(unpack8_int4(key + 16 * g + 4 * i), _mm256_loadu_ps(qj + 32 * g + 8 * i), acc);
-      total += static_cast<float>(ks[g]) * hsum(acc) + static_cast<float>(kz[g]) * q_sum[g];
+      __m256 codes[4];
+      for (int i = 0; i < 4; ++i) codes[i] = unpack8_int4(key + 16 * g + 4 * i);
+      for (int j = 0; j < G; ++j) {
+        const float* qg = q + j * head_dim + 32 * g;
+        __m256 acc = _mm256_mul_ps(codes[0], _mm256_loadu_ps(qg));
+        for (int i = 1; i < 4; ++i) acc = _mm256_fmadd_ps(codes[i], _mm256_loadu_ps(qg + 8 * i), acc);
+        total[j] += static_cast<float>(ks[g]) * hsum(acc) + static_cast<float>(kz[g]) * q_sum[j][g];
+      }
     }
-    scores[t] = total * scale;
+    for (int j = 0; j < G; ++j) scores[j * stride + t] = total[j] * scale;
   }
-  *l_out = softmax_numerators(scores, len, m_out);
-  std::fill_n(o, head_dim, 0.0f);
+  for (int j = 0; j < G; ++j) l[j] = softmax_numerators(scores + j * stride, len, m + j);
+  std::fill_n(o, G * head_dim, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const uint8_t* value = v_cache + srows[t] * row_bytes;
     const c10::Half* vs = sc.v_scale + srows[t] * groups;
     const c10::Half* vz = sc.v_zero + srows[t] * groups;
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 w = _mm256_set1_ps(scores[t] * static_cast<float>(vs[g]));
-      zero_sum[g] += scores[t] * static_cast<float>(vz[g]);
-      for (int i = 0; i < 4; ++i) {
-        float* dst = o + 32 * g + 8 * i;
-        _mm256_storeu_ps(dst, _mm256_fmadd_ps(w, unpack8_int4(value + 16 * g + 4 * i), _mm256_loadu_ps(dst)));
+      __m256 codes[4];
+      for (int i = 0; i < 4; ++i) codes[i] = unpack8_int4(value + 16 * g + 4 * i);
+      for (int j = 0; j < G; ++j) {
+        const float p = scores[j * stride + t];
+        const __m256 w = _mm256_set1_ps(p * static_cast<float>(vs[g]));
+        zero_sum[j][g] += p * static_cast<float>(vz[g]);
+        for (int i = 0; i < 4; ++i) {
+          float* dst = o + j * head_dim + 32 * g + 8 * i;
+          _mm256_storeu_ps(dst, _mm256_fmadd_ps(w, codes[i], _mm256_loadu_ps(dst)));
+        }
       }
     }
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t d = 32 * g; d < 32 * (g + 1); ++d) o[d] += zero_sum[g];
+  for (int j = 0; j < G; ++j) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t d = 32 * g; d < 32 * (g + 1); ++d) o[j * head_dim + d] += zero_sum[j][g];
+    }
   }
 }
 
@@ -297,11 +318,14 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         }
         const float* qh = q + (s * num_heads + h * group) * head_dim;  // the KV head's query heads
         if constexpr (std::is_same_v<T, uint8_t>) {  // int4 codes, two per byte
-          scores.resize(t_end - t_begin + 8);
-          for (int64_t j = 0; j < group; ++j) {
-            attend_part_int4(qh + j * head_dim, k_cache + h * head_dim / 2, v_cache + h * head_dim / 2, srows.data(),
-                             t_end - t_begin, head_dim, scale, scores.data(), m + j, l + j, o + j * head_dim, hs);
-          }
+          const int64_t stride = t_end - t_begin + 8;
+          scores.resize(group * stride);
+          head_passes(group, [&](int64_t j0, auto heads) {
+            attend_int4<decltype(heads)::value>(qh + j0 * head_dim, k_cache + h * head_dim / 2,
+                                                v_cache + h * head_dim / 2, srows.data(), t_end - t_begin, head_dim,
+                                                scale, scores.data() + j0 * stride, stride, m + j0, l + j0,
+                                                o + j0 * head_dim, hs);
+          });
         } else {
           scores.resize(group * (t_end - t_begin + 8));
           attend_group(qh, group, k_cache + h * head_dim, v_cache + h * head_dim, rows.data(), srows.data(),
