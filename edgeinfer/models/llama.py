@@ -298,8 +298,9 @@ class LlamaModel(LlamaLayers):
 
     def _head(self, h: torch.Tensor, batch: BatchMeta) -> torch.Tensor:
         """Logits of the rows h (batch.logits_indices); prompt rows on their kernel, as the layers."""
-        rows = self._bf16_rows(batch)
-        logits = linear(h, self.weights.head, bf16_rows=None if rows is None else rows[batch.logits_indices]).float()
+        prompt_rows = self._bf16_rows(batch)
+        logits = linear(h, self.weights.head,
+                        bf16_rows=None if prompt_rows is None else prompt_rows[batch.logits_indices]).float()
         if self.weights.head_exact is not None:
             top = logits.topk(min(HEAD_REFINE_ROWS, logits.shape[-1]), dim=-1).indices  # (L, R)
             rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
