@@ -56,6 +56,14 @@ void a8_columns_avx2(const A8Problem& p, int64_t tile0, int64_t tile1);
 // bytes (an int4 tile unpacked), the calling thread's own.
 void a8_columns_amx(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* scratch);
 constexpr int64_t kA8AmxBlock = 16;
+// The tile configuration LDTILECFG reads (palette 1): bytes per row and rows of each tile.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 // AMX-BF16 (a8_gemm_amx_bf16.cpp): x is bf16 (uint16), rows padded to a multiple of 16, one term;
 // x_scale, x_gsum and wsum unused. scratch: 64-byte aligned, K x 32 bytes (a tile dequantized).
 void a8_columns_amx_bf16(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* scratch);

@@ -33,16 +33,8 @@ using edgeinfer_cpu::kA8Unit;
 constexpr int kBlock = edgeinfer_cpu::kA8AmxBlock;  // activation rows per A / C tile
 
 // Tiles: 0 and 1 hold C of two units in flight, 2 and 3 their A, 4 and 5 their B.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void configure(int64_t unit) {
-  TileConfig c;
+  edgeinfer_cpu::AmxTileConfig c;
   for (int t = 0; t < 2; ++t) {
     c.rows[t] = kBlock;
     c.colsb[t] = kA8Cols * 4;  // 16 int32

@@ -38,16 +38,8 @@ constexpr int kBlock = edgeinfer_cpu::kA8AmxBlock;  // rows per A / C tile
 constexpr int64_t kRowBytes = 64;                    // one B row: 16 columns x 2 values of K, bf16
 
 // Tiles: 0 and 3 hold C of two row blocks, 1 and 4 their A, 2 the shared B.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void configure() {
-  TileConfig c;
+  edgeinfer_cpu::AmxTileConfig c;
   for (int t = 0; t < 5; ++t) {
     c.rows[t] = kBlock;
     c.colsb[t] = 64;  // C: 16 fp32; A: 32 bf16 of K; B: 16 columns x 2 bf16

@@ -7,41 +7,20 @@ Awkward shapes: M not a multiple of the kernels' row blocks (4, 8 and AMX's 16, 
 random and off-centre; int8 codes cover their full range, -128 included (GGUF Q8_0 can hold it).
 """
 
-from dataclasses import replace
 
 import pytest
 import torch
+from a8_cases import a8_weight, a8_x
 
 from kernels import cpu_a8, cpu_ops
 from kernels.reference import int4_gemm_reference, int8_activation_gemm_reference, int8_gemm_reference
-from quant.formats import quantize_int4, quantize_int8
+from quant.formats import quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
 
 RUNNABLE = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported(isa),
                                                        reason=f"this CPU cannot run {isa}"))
             for isa in cpu_a8.ISAS]
-
-
-def _weight(fmt, n, k, group, seed, mins=False, scale_dtype=torch.float16):
-    gen = torch.Generator().manual_seed(seed)
-    dense = torch.randn(n, k, generator=gen) * 0.2 + 0.05
-    if fmt == "int4":
-        w = quantize_int4(dense, group)
-        return replace(w, scales=w.scales.to(scale_dtype), mins=w.mins.to(scale_dtype))
-    w = quantize_int8(dense, group)
-    qweight = w.qweight.clone()
-    qweight[0, :3] = -128  # the one code quantize_int8 never makes
-    extra = (torch.rand(n, k // group, generator=gen) - 0.5).to(scale_dtype) if mins else None
-    return replace(w, qweight=qweight, scales=w.scales.to(scale_dtype), mins=extra)
-
-
-def _x(m, k, seed):
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 2 + 0.3
-    x[0, 5] = 9.0  # an outlier: the row's scale follows it
-    if m > 2:
-        x[2] = 0.0  # a zero row: scale 0
-    return x
 
 
 SHAPES = [(37, 576, 32), (50, 576, 64), (19, 1536, 128), (130, 1536, 32)]
@@ -52,8 +31,8 @@ SHAPES = [(37, 576, 32), (50, 576, 64), (19, 1536, 128), (130, 1536, 32)]
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 5, 9, 16, 19, 40])
 def test_a8_gemm_matches_reference(isa, fmt, n, k, group, m):
-    weight = _weight(fmt, n, k, group, seed=n + m)
-    x = _x(m, k, seed=m)
+    weight = a8_weight(fmt, n, k, group, seed=n + m)
+    x = a8_x(m, k, seed=m)
     out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight), isa)
     assert out.dtype == torch.float32 and out.shape == (m, n)
     reference = int8_activation_gemm_reference(x, weight)
@@ -69,8 +48,8 @@ def test_a8_gemm_matches_reference(isa, fmt, n, k, group, m):
                                             ("int8", 32, False)])
 @pytest.mark.parametrize("m", [1, 3, 10, 37])  # 37: rows quantized on both threads
 def test_two_term_activations_match_reference_and_come_near_the_exact_product(isa, fmt, group, mins, m):
-    weight = _weight(fmt, 45, 576, group, seed=m + group, mins=mins)
-    x = _x(m, 576, seed=m + 7)
+    weight = a8_weight(fmt, 45, 576, group, seed=m + group, mins=mins)
+    x = a8_x(m, 576, seed=m + 7)
     out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight, terms=2), isa)
     reference = int8_activation_gemm_reference(x, weight, terms=2)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
@@ -84,8 +63,8 @@ def test_two_term_activations_match_reference_and_come_near_the_exact_product(is
 @pytest.mark.parametrize("group,mins", [(16, False), (16, True), (32, True), (128, False)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_a8_gemm_int8_groups_and_mins(isa, group, mins, scale_dtype):
-    weight = _weight("int8", 45, 1536, group, seed=group, mins=mins, scale_dtype=scale_dtype)
-    x = _x(11, 1536, seed=group)
+    weight = a8_weight("int8", 45, 1536, group, seed=group, mins=mins, scale_dtype=scale_dtype)
+    x = a8_x(11, 1536, seed=group)
     out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight), isa)
     reference = int8_activation_gemm_reference(x, weight)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
@@ -96,10 +75,10 @@ def test_a8_gemm_int8_groups_and_mins(isa, group, mins, scale_dtype):
 def test_tiles_keep_fp16_params_and_run_fp32_ones(isa, fmt):
     """A GGUF's fp16 scales and mins stay fp16 in the tiles (20 bytes per 32 int4 weights, the int8
     code sums int16); fp32 and bf16 ones run as fp32, exactly, on the same kernels."""
-    x = _x(7, 576, seed=5)
+    x = a8_x(7, 576, seed=5)
     kept_as = ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16))
     for dtype, kept in kept_as:
-        weight = _weight(fmt, 33, 576, 32, seed=6, mins=True, scale_dtype=dtype)
+        weight = a8_weight(fmt, 33, 576, 32, seed=6, mins=True, scale_dtype=dtype)
         a8 = cpu_a8.prepare_a8(weight)
         assert a8.scales.dtype == kept and a8.mins.dtype == kept
         out = cpu_a8.a8_linear(x, a8, isa)
@@ -115,9 +94,9 @@ def test_tiles_keep_fp16_params_and_run_fp32_ones(isa, fmt):
 def test_isas_agree_and_the_default_is_the_best():
     runnable = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
     assert "avx2" in runnable and cpu_a8.default_isa() in runnable
-    weight = cpu_a8.prepare_a8(_weight("int4", 70, 576, 32, seed=1))
+    weight = cpu_a8.prepare_a8(a8_weight("int4", 70, 576, 32, seed=1))
     for m in (13, 40):  # 40: AMX's own kernel (from 16 rows)
-        x = _x(m, 576, seed=2)
+        x = a8_x(m, 576, seed=2)
         outs = [cpu_a8.a8_linear(x, weight, isa) for isa in runnable]
         for out in outs[1:]:
             torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=1e-5)
@@ -130,8 +109,8 @@ def test_amx_equals_avx512vnni_bit_for_bit(fmt, group, mins, terms):
     """The same integer dots and the same fp32 sums in the same order: one-term int8 activations
     turn a last-bit difference into whole codes a layer later (eval-ppl 46.83 -> 47.01 once, with
     the mins' term added after the unit's product instead of before)."""
-    weight = cpu_a8.prepare_a8(_weight(fmt, 100, 576, group, seed=9, mins=mins), terms)
-    x = _x(37, 576, seed=10)
+    weight = cpu_a8.prepare_a8(a8_weight(fmt, 100, 576, group, seed=9, mins=mins), terms)
+    x = a8_x(37, 576, seed=10)
     assert torch.equal(cpu_a8.a8_linear(x, weight, "amx"), cpu_a8.a8_linear(x, weight, "avx512vnni"))
 
 
@@ -160,7 +139,7 @@ def test_auto_activations_are_bf16_prompts_with_amx_bf16_int8x2_with_vnni_else_i
 def test_unsupported_weights_and_shapes_raise():
     with pytest.raises(ValueError, match="int8-activation"):
         cpu_a8.prepare_a8(quantize_int8(torch.randn(8, 48), 16))  # K not a multiple of 32
-    weight = cpu_a8.prepare_a8(_weight("int4", 20, 64, 32, seed=3))
+    weight = cpu_a8.prepare_a8(a8_weight("int4", 20, 64, 32, seed=3))
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_a8.a8_linear(torch.randn(2, 32), weight)
     assert cpu_a8.a8_linear(torch.randn(0, 64), weight).shape == (0, 20)
@@ -169,13 +148,13 @@ def test_unsupported_weights_and_shapes_raise():
 def test_dispatch_runs_a8_for_every_m_where_asked():
     from kernels.dispatch import choose_backend, linear, prepare_linear
 
-    weight = _weight("int4", 40, 576, 32, seed=4)
+    weight = a8_weight("int4", 40, 576, 32, seed=4)
     backend = choose_backend("int4_cpu", "cpu", int8_activations=True)
     assert backend.int8_activations
     prepared = prepare_linear(weight, backend)
     assert prepared.path == "a8_cpu"
     for m in (1, 3, 70):
-        x = _x(m, 576, seed=m)
+        x = a8_x(m, 576, seed=m)
         torch.testing.assert_close(linear(x, prepared), int8_activation_gemm_reference(x, weight), rtol=1e-5,
                                    atol=1e-3)
     assert prepare_linear(weight, choose_backend("int4_cpu", "cpu")).path == "int4_cpu"  # int16: the default

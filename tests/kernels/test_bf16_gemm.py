@@ -8,38 +8,16 @@ tests run everywhere. Awkward shapes: M below, at and past the 16-row tile and i
 """
 
 import dataclasses
-from dataclasses import replace
 
 import pytest
 import torch
+from a8_cases import a8_weight, a8_x
 
 from kernels import cpu_a8, cpu_ops, dispatch
 from kernels.reference import bf16_gemm_reference
-from quant.formats import quantize_int4, quantize_int8
 
 HAS_BF16 = cpu_ops.available() and cpu_a8.isa_supported(cpu_a8.BF16_ISA)
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AMX-BF16 (or the C++ ops do not build)")
-
-
-def _weight(fmt, n, k, group, seed, mins=False, scale_dtype=torch.float16):
-    gen = torch.Generator().manual_seed(seed)
-    dense = torch.randn(n, k, generator=gen) * 0.2 + 0.05
-    if fmt == "int4":
-        w = quantize_int4(dense, group)
-        return replace(w, scales=w.scales.to(scale_dtype), mins=w.mins.to(scale_dtype))
-    w = quantize_int8(dense, group)
-    qweight = w.qweight.clone()
-    qweight[0, :3] = -128  # the one code quantize_int8 never makes
-    extra = (torch.rand(n, k // group, generator=gen) - 0.5).to(scale_dtype) if mins else None
-    return replace(w, qweight=qweight, scales=w.scales.to(scale_dtype), mins=extra)
-
-
-def _x(m, k, seed):
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 2 + 0.3
-    x[0, 5] = 9.0
-    if m > 2:
-        x[2] = 0.0
-    return x
 
 
 def _bound(x, weight):
@@ -54,8 +32,8 @@ def _bound(x, weight):
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 40])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_bf16_gemm_matches_reference(fmt, group, mins, n, k, m, scale_dtype):
-    weight = _weight(fmt, n, k, group, seed=n + m + group, mins=mins, scale_dtype=scale_dtype)
-    x = _x(m, k, seed=m)
+    weight = a8_weight(fmt, n, k, group, seed=n + m + group, mins=mins, scale_dtype=scale_dtype)
+    x = a8_x(m, k, seed=m)
     out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight, bf16=True))
     assert out.dtype == torch.float32 and out.shape == (m, n)
     # Same bf16 rounding of x and of each weight: equal up to the fp32 sums' rounding.
@@ -68,8 +46,8 @@ def test_bf16_gemm_is_near_the_exact_product(fmt, group):
     """Against fp32 x @ W.T (an oracle that shares nothing with the kernel): bf16 keeps 8
     significant bits of each value, so a dot product of K random terms is off by ~2^-9 / sqrt-ish
     of its size, far below the weight format's own error."""
-    weight = _weight(fmt, 96, 576, group, seed=3)
-    x = _x(24, 576, seed=4)
+    weight = a8_weight(fmt, 96, 576, group, seed=3)
+    x = a8_x(24, 576, seed=4)
     exact = x @ weight.dequantize(torch.float32).t()
     out = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight, bf16=True))
     assert float((out - exact).norm() / exact.norm()) < 5e-3
@@ -79,9 +57,9 @@ def test_bf16_gemm_is_near_the_exact_product(fmt, group):
 def test_bf16_rows_do_not_depend_on_the_batch():
     """A row's outputs are the same bits alone as in a batch of 40 (other rows, other tile
     blocks): a request's tokens do not change with the load."""
-    weight = _weight("int4", 70, 576, 32, seed=5)
+    weight = a8_weight("int4", 70, 576, 32, seed=5)
     prepared = cpu_a8.prepare_a8(weight, bf16=True)
-    x = _x(40, 576, seed=6)
+    x = a8_x(40, 576, seed=6)
     batch = cpu_a8.a8_linear(x, prepared)
     for r in (0, 17, 39):
         assert torch.equal(cpu_a8.a8_linear(x[r:r + 1], prepared)[0], batch[r])
@@ -98,7 +76,7 @@ def test_bf16_is_one_term_on_the_a8_path():
         dispatch.Backend(torch.device("cpu"), "int4_cpu", cpu_ops=True, triton=False, fused_step_max_tokens=0,
                          int8_activations=True, a8_terms=2, a8_bf16=True)
     with pytest.raises(ValueError, match="terms"):
-        cpu_a8.prepare_a8(_weight("int4", 16, 64, 32, seed=1), terms=2, bf16=True)
+        cpu_a8.prepare_a8(a8_weight("int4", 16, 64, 32, seed=1), terms=2, bf16=True)
     # Where the a8 path does not run (reference linears), bf16 is dropped with it.
     backend = dispatch.choose_backend("reference", "cpu", int8_activations=True, a8_bf16=True)
     assert not backend.a8_bf16 and not backend.int8_activations
@@ -108,9 +86,9 @@ def test_bf16_is_one_term_on_the_a8_path():
 def test_bf16_backend_prepares_bf16_weights():
     backend = dispatch.choose_backend("int4_cpu", "cpu", int8_activations=True, a8_bf16=True)
     assert backend.a8_bf16
-    prepared = dispatch.prepare_linear(_weight("int4", 40, 576, 32, seed=2), backend)
+    prepared = dispatch.prepare_linear(a8_weight("int4", 40, 576, 32, seed=2), backend)
     assert prepared.path == "a8_cpu" and prepared.kernel.bf16
-    x = _x(3, 576, seed=3)
-    expected = bf16_gemm_reference(x, _weight("int4", 40, 576, 32, seed=2))
+    x = a8_x(3, 576, seed=3)
+    expected = bf16_gemm_reference(x, a8_weight("int4", 40, 576, 32, seed=2))
     assert torch.allclose(dispatch.linear(x, prepared), expected, rtol=1e-5, atol=1e-4)
     assert dataclasses.replace(backend, a8_bf16=False).a8_terms == 1
