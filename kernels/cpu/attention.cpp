@@ -39,7 +39,7 @@ using edgeinfer_cpu::load8;
 // The query heads of one KV head go through its keys and values together (GQA: 3 query heads per
 // KV head on the default model, 4-8 on larger ones): each K or V vector is loaded, and converted
 // from fp16 / bf16 / int8, once for all of them instead of once per head. Per head the arithmetic
-// is the single-head loop's (the same FMAs in the same order), so the results do not change.
+// is that of a loop over one head (the same FMAs in the same order): grouping moves no result.
 constexpr int kMaxGroup = 4;  // heads per pass: 2 x 4 accumulators + 2 keys + 1 query stay in registers
 
 // scores[j * stride + t] = scale * q_j . K[t] for the G heads at q (head_dim apart), two keys at
