@@ -7,8 +7,6 @@ tests run everywhere. Awkward shapes: M below, at and past the 16-row tile and i
 64 and 128, fp16 and fp32 scales. Inputs are random and off-centre.
 """
 
-import dataclasses
-
 import pytest
 import torch
 from a8_cases import a8_weight, a8_x
@@ -65,10 +63,11 @@ def test_bf16_rows_do_not_depend_on_the_batch():
         assert torch.equal(cpu_a8.a8_linear(x[r:r + 1], prepared)[0], batch[r])
 
 
-def test_bf16_is_refused_without_amx_bf16(monkeypatch):
+@pytest.mark.parametrize("mode", ["bf16", "bf16-prompts"])
+def test_bf16_modes_are_refused_without_amx_bf16(monkeypatch, mode):
     monkeypatch.setattr(cpu_a8, "isa_supported", lambda isa: False)
-    with pytest.raises(ValueError, match="AMX-BF16"):
-        dispatch.resolve_cpu_activations("bf16", torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"cpu_activations {mode} needs a CPU with AMX-BF16"):
+        dispatch.resolve_cpu_activations(mode, torch.device("cpu"))
 
 
 def test_bf16_is_one_term_on_the_a8_path():
@@ -91,4 +90,3 @@ def test_bf16_backend_prepares_bf16_weights():
     x = a8_x(3, 576, seed=3)
     expected = bf16_gemm_reference(x, a8_weight("int4", 40, 576, 32, seed=2))
     assert torch.allclose(dispatch.linear(x, prepared), expected, rtol=1e-5, atol=1e-4)
-    assert dataclasses.replace(backend, a8_bf16=False).a8_terms == 1
