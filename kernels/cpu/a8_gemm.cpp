@@ -134,11 +134,28 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
   }
 }
 
+// rows rounded up to whole 16-row AMX blocks.
+int64_t amx_rows(int64_t rows) { return (rows + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock; }
+
+// Tiles of 16 columns over the threads, claimed in chunks, about four per thread; the AMX
+// kernels get the worker's own scratch (`scratch_bytes`, kept between calls, aligned to 64).
+template <typename Kernel>
+void over_tiles(int64_t tiles, size_t scratch_bytes, const Kernel& kernel) {
+  const int64_t chunk = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
+  edgeinfer_cpu::balanced_for(0, tiles, chunk, [&](int64_t t0, int64_t t1) {
+    if (scratch_bytes == 0) return kernel(t0, t1, static_cast<uint8_t*>(nullptr));
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(std::max(scratch.size(), scratch_bytes + 64));
+    const auto at = reinterpret_cast<uintptr_t>(scratch.data());
+    kernel(t0, t1, reinterpret_cast<uint8_t*>((at + 63) & ~uintptr_t(63)));
+  });
+}
+
 // a8_gemm_rows for isa "amx_bf16": x rounded to bf16 into the calling thread's buffer (rows padded
 // to 16 with zeros), then the column tiles over the threads as for the int8 kernels.
 void bf16_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                int64_t n, int64_t k, int64_t group, bool int4, float* y) {
-  const int64_t padded = (m + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock;
+  const int64_t padded = amx_rows(m);
   thread_local std::vector<uint16_t> xb_buffer;
   xb_buffer.resize(std::max<size_t>(xb_buffer.size(), padded * k));
   uint16_t* xb = xb_buffer.data();
@@ -147,14 +164,9 @@ void bf16_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Ten
   const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
                     mins.defined() ? mins.data_ptr() : nullptr, nullptr, reinterpret_cast<const uint8_t*>(xb),
                     nullptr, nullptr, y, m, n, k, group, 1, int4, scales.scalar_type() == at::kHalf};
-  const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
-  edgeinfer_cpu::balanced_for(0, tiles, std::max<int64_t>(1, tiles / (4 * at::get_num_threads())),
-                              [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<uint8_t> scratch;  // the worker's own: a tile dequantized, aligned to 64
-    scratch.resize(std::max<size_t>(scratch.size(), k * 2 * kA8Cols + 64));
-    const auto at = reinterpret_cast<uintptr_t>(scratch.data());
-    a8_columns_amx_bf16(p, t0, t1, reinterpret_cast<uint8_t*>((at + 63) & ~uintptr_t(63)));
-  });
+  // The scratch holds a tile dequantized: K x 16 bf16.
+  over_tiles((n + kA8Cols - 1) / kA8Cols, k * 2 * kA8Cols,
+             [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx_bf16(p, t0, t1, scratch); });
 }
 
 // The op: checks, then a8_gemm_rows.
@@ -225,7 +237,7 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   const int64_t groups = k / group;
   // The AMX kernel reads whole 16-row blocks: the padding rows' codes and scales are left as the
   // buffers hold them (their products are never stored).
-  const int64_t padded = on_amx ? (rows + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock : rows;
+  const int64_t padded = on_amx ? amx_rows(rows) : rows;
   // The calling thread's buffers, kept from call to call. Allocated per call, with the two terms'
   // outputs kept apart and summed after, a 256-token chunk of a 1.7B model's gate/up took ~35 MB,
   // zeroed and page-faulted every call.
@@ -258,21 +270,14 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
                     has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
                     reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, rows, n, k, group, terms, int4,
                     scales.scalar_type() == at::kHalf};
-  // Tiles of 16 columns over the threads, claimed in chunks, about four per thread.
-  const int64_t chunk = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
-  if (on_amx) {
-    edgeinfer_cpu::balanced_for(0, tiles, chunk, [&](int64_t t0, int64_t t1) {
-      thread_local std::vector<uint8_t> scratch;  // the worker's own: an int4 tile unpacked, aligned to 64
-      scratch.resize(std::max<size_t>(scratch.size(), k * kA8Cols + 64));
-      const auto at = reinterpret_cast<uintptr_t>(scratch.data());
-      a8_columns_amx(p, t0, t1, reinterpret_cast<uint8_t*>((at + 63) & ~uintptr_t(63)));
-    });
+  if (on_amx) {  // the scratch holds an int4 tile unpacked: K x 16 bytes
+    over_tiles(tiles, k * kA8Cols, [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx(p, t0, t1, scratch); });
     return;
   }
   const Kernel kernel = run_isa == "avx512vnni" ? a8_columns_avx512vnni
                         : run_isa == "avxvnni"  ? a8_columns_avxvnni
                                                 : a8_columns_avx2;
-  edgeinfer_cpu::balanced_for(0, tiles, chunk, [&](int64_t t0, int64_t t1) { kernel(p, t0, t1); });
+  over_tiles(tiles, 0, [&](int64_t t0, int64_t t1, uint8_t*) { kernel(p, t0, t1); });
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

@@ -162,8 +162,7 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
                   float* o, const KvScales& sc) {
   const int64_t stride = len + 8;
-  const auto passes = [&](auto&& run) { head_passes(g, run); };
-  passes([&](int64_t j0, auto heads) {
+  head_passes(g, [&](int64_t j0, auto heads) {
     key_scores<decltype(heads)::value>(q + j0 * head_dim, k_cache, rows, len, head_dim, scale, scores + j0 * stride,
                                        stride);
   });
@@ -177,7 +176,7 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
       for (int64_t t = 0; t < len; ++t) sj[t] *= static_cast<float>(sc.v_scale[srows[t]]);
     }
   }
-  passes([&](int64_t j0, auto heads) {
+  head_passes(g, [&](int64_t j0, auto heads) {
     for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
       weighted_values<decltype(heads)::value>(scores + j0 * stride, stride, v_cache, rows, len, d0, head_dim,
                                               o + j0 * head_dim);
