@@ -153,11 +153,11 @@ def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu"
     if linear_path == "auto":
         linear_path = "triton" if device.type == "cuda" else "int4_cpu"
     native = device.type == "cpu" and cpu_ops.available()
+    a8 = int8_activations and native and linear_path == "int4_cpu"
     return Backend(device, linear_path, cpu_ops=native, triton=device.type == "cuda",
                    fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0,
-                   int8_activations=int8_activations and native and linear_path == "int4_cpu", a8_terms=a8_terms,
-                   a8_bf16=a8_bf16 and int8_activations and native and linear_path == "int4_cpu",
-                   a8_bf16_prompts=a8_bf16_prompts and int8_activations and native and linear_path == "int4_cpu")
+                   int8_activations=a8, a8_terms=a8_terms, a8_bf16=a8_bf16 and a8,
+                   a8_bf16_prompts=a8_bf16_prompts and a8)
 
 
 @dataclass(frozen=True)
