@@ -6,7 +6,7 @@ RuntimeConfig says how to run it (device, linear-layer path, KV cache sizing).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 LINEAR_PATHS = ("auto", "int4_cpu", "triton", "reference")
@@ -275,6 +275,8 @@ class RuntimeConfig:
 
 
 SPECULATIVE_MODES = ("off", "ngram", "draft")
+CPU_STEP_TOKENS = 128  # SchedulerConfig.max_num_batched_tokens's default per device (for_device)
+GPU_STEP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -283,7 +285,12 @@ class SchedulerConfig:
     waiting-queue bound and the KV watermark kept free at admission."""
 
     max_num_seqs: int = 64  # sequences in one step (running batch cap)
-    max_num_batched_tokens: int = 512  # tokens per step: decodes first, prefill chunks fill the rest
+    # Tokens per step: decodes first, prefill chunks fill the rest. None: the device's default
+    # (for_device): 128 on the CPU, where a step of up to 128 tokens is one fused C++ call
+    # (kernels.dispatch.FUSED_STEP_MAX_TOKENS) and smaller chunks let waiting prompts and running
+    # decodes in sooner (16 streams: TTFT p50 354 against 733 ms at 512, docs/BENCHMARKS.md);
+    # 512 on a GPU, whose steps are launch-bound below that.
+    max_num_batched_tokens: int | None = None
     max_waiting: int = 256  # past this a new request gets `overloaded`
     kv_watermark: float = 0.01  # fraction of KV blocks admission leaves free for running decodes
     retry_after_s: float = 1.0  # hint sent with `overloaded`
@@ -306,9 +313,10 @@ class SchedulerConfig:
         if self.speculate_max_seqs < 1:
             raise ValueError(f"SchedulerConfig.speculate_max_seqs must be >= 1, got {self.speculate_max_seqs}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "mailbox_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SchedulerConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be positive, got {value}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step"
@@ -317,3 +325,12 @@ class SchedulerConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the step token budget settled for a device type ("cpu", "cuda"): the
+        one given, else the device's default (at least max_num_seqs, so every running sequence
+        can decode each step)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        default = CPU_STEP_TOKENS if device_type == "cpu" else GPU_STEP_TOKENS
+        return replace(self, max_num_batched_tokens=max(default, self.max_num_seqs))

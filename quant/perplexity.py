@@ -28,6 +28,7 @@ from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.engine.api import Engine, EngineConfig
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.tokenizer import Tokenizer
+from edgeinfer.worker.build import resolve_device
 from edgeinfer.worker.kv_pools import kv_pool
 from edgeinfer.worker.model_runner import ModelRunner
 
@@ -108,7 +109,7 @@ def num_kv_blocks(window: int, block_size: int, scheduler: SchedulerConfig) -> i
 def engine_config(model_path: str, window: int, runtime: RuntimeConfig) -> EngineConfig:
     """An engine for perplexity over ``window``-token windows: the model run as ``runtime`` says
     (device, linear path, KV dtypes), its pool sized by num_kv_blocks."""
-    scheduler = SchedulerConfig()
+    scheduler = SchedulerConfig().for_device(resolve_device(runtime).type)
     blocks = num_kv_blocks(window, runtime.block_size, scheduler)
     return EngineConfig(model_path, dataclasses.replace(runtime, num_kv_blocks=blocks), scheduler)
 
@@ -117,7 +118,7 @@ def model_perplexity(model: LlamaModel, tokenizer: Tokenizer, token_ids: Sequenc
                      kv_dtype: str = "fp32", v_dtype: str | None = None) -> PerplexityResult:
     """perplexity() on an engine over an already-built model (tools comparing variants of one
     model); ``kv_dtype`` is K's and V's KV format unless ``v_dtype`` sets V's apart."""
-    c, scheduler, block_size = model.config, SchedulerConfig(), RuntimeConfig().block_size
+    c, scheduler, block_size = model.config, SchedulerConfig().for_device(model.device.type), RuntimeConfig().block_size
     pool = kv_pool(c, num_kv_blocks(window, block_size, scheduler), block_size, kv_dtype, v_dtype or kv_dtype,
                    model.device)
     engine = Engine.from_runner(ModelRunner(model, pool, block_size), tokenizer, c, scheduler)

@@ -106,7 +106,8 @@ async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float
                             cpu_activations=args.cpu_activations, num_threads=args.threads,
                             kv_memory_bytes=args.kv_memory_mib << 20)
     scheduler = SchedulerConfig(max_num_seqs=max(args.streams),
-                                max_num_batched_tokens=max(args.token_budget, max(args.streams)),
+                                max_num_batched_tokens=None if args.token_budget is None
+                                else max(args.token_budget, max(args.streams)),
                                 max_waiting=max(args.streams))
     async with Engine(EngineConfig(str(args.model), runtime, scheduler)) as engine:
         await engine_round(engine, 1, args, f"{tag}-warmup", new_tokens=4)
@@ -256,7 +257,8 @@ def main() -> None:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64], help="concurrent streams per round")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default: 64)")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per stream (default: 64)")
-    p.add_argument("--token-budget", type=int, default=512, help="engine: max tokens per step (default: 512)")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="engine: max tokens per step (default: the engine's for the device, 128 on the CPU)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="engine device (default: cpu)")
     p.add_argument("--linear-path", default="auto", choices=LINEAR_PATHS, help="edgeinfer linear path")
     p.add_argument("--cpu-activations", default=RuntimeConfig.cpu_activations, choices=CPU_ACTIVATIONS,

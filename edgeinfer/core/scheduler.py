@@ -69,7 +69,11 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
                  guides: GuideCompiler | None = None) -> None:
         """``activation_bytes_per_token`` (a worst-case step's measured peak per token, CUDA)
         caps a step's tokens by the free device memory each StepResult reports; 0: no cap.
-        ``guides`` compiles structured output's guides (None: guided requests are refused)."""
+        ``guides`` compiles structured output's guides (None: guided requests are refused).
+        ``config``'s step token budget must be settled (SchedulerConfig.for_device)."""
+        if config.max_num_batched_tokens is None:
+            raise ValueError("SchedulerConfig.max_num_batched_tokens is None: settle it for the device first "
+                             "(SchedulerConfig.for_device)")
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size, namespace)
         self.block_size = block_size

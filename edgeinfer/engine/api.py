@@ -43,7 +43,7 @@ from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, comput
 from edgeinfer.engine.scheduler_actor import EngineStats, SchedulerActor, Submit
 from edgeinfer.models.loader import load_model
 from edgeinfer.models.tokenizer import Tokenizer
-from edgeinfer.worker.build import build_runners
+from edgeinfer.worker.build import build_runners, resolve_device
 from edgeinfer.worker.memory_plan import MemoryPlan
 from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import sample
@@ -102,7 +102,7 @@ class Engine:
         """An engine over an already-built runner (a loaded model reused, or a fake in tests);
         `sampler` replaces edgeinfer.worker.sampler.sample (fault-injection tests); `draft` is a
         draft model's runner whose pool has the target pool's blocks (speculative "draft")."""
-        scheduler = scheduler or SchedulerConfig()
+        scheduler = (scheduler or SchedulerConfig()).for_device(_device_type(runner))
         engine = cls(EngineConfig("<runner>", scheduler=scheduler, supervision=supervision or SupervisionConfig(),
                                   draft_model_path=None if draft is None else "<runner>"))
         engine._runner, engine._tokenizer, engine._model_config = runner, tokenizer, model_config
@@ -139,7 +139,8 @@ class Engine:
                 loaded = await run_on(self._compute, load_model, self.config.model_path)
                 draft = self.config.draft_model_path
                 loaded_draft = None if draft is None else await run_on(self._compute, load_model, draft)
-                sc = self._scheduler_config
+                sc = self._scheduler_config = self._scheduler_config.for_device(
+                    resolve_device(self.config.runtime).type)
                 self._runner, self._draft_runner = await run_on(
                     self._compute, build_runners, loaded, self.config.runtime, sc.max_num_batched_tokens,
                     sc.max_num_seqs, loaded_draft)
@@ -354,3 +355,8 @@ def _guide_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, .
     if backend is None or not hasattr(backend, "to_str"):
         return None
     return GuideCompiler(backend.to_str, vocab_size, eos_token_ids)
+
+
+def _device_type(runner: StepRunner) -> str:
+    """Where a runner computes: its model's device; "cpu" for a test's fake runner."""
+    return runner.model.device.type if isinstance(runner, ModelRunner) else "cpu"

@@ -1,10 +1,13 @@
-"""RuntimeConfig's KV formats: what auto resolves to, overrides, and errors that name the field."""
+"""RuntimeConfig's KV formats (what auto resolves to, overrides, errors that name the field) and
+SchedulerConfig's step token budget per device."""
 
 from __future__ import annotations
 
 import pytest
 
-from edgeinfer.config import RuntimeConfig
+from edgeinfer.config import RuntimeConfig, SchedulerConfig
+from edgeinfer.core.scheduler import Scheduler
+from kernels.dispatch import FUSED_STEP_MAX_TOKENS
 
 
 def test_auto_kv_is_fp16_except_on_the_exact_reference_path() -> None:
@@ -38,3 +41,19 @@ def test_context_length_and_the_pool_options() -> None:
             RuntimeConfig(**{field: 0})
     with pytest.raises(ValueError, match=r"kv_memory_fraction must be in \(0, 1\], got 1.5"):
         RuntimeConfig(kv_memory_fraction=1.5)
+
+
+def test_step_token_budget_is_settled_per_device() -> None:
+    """Unset, a step's token budget is 128 on the CPU (within the fused C++ step's bound) and 512
+    on a GPU, never below max_num_seqs; a given one is kept; the scheduler refuses an unsettled
+    config rather than guess the device."""
+    cpu, gpu = SchedulerConfig().for_device("cpu"), SchedulerConfig().for_device("cuda")
+    assert cpu.max_num_batched_tokens == 128 <= FUSED_STEP_MAX_TOKENS
+    assert gpu.max_num_batched_tokens == 512
+    assert SchedulerConfig(max_num_seqs=200).for_device("cpu").max_num_batched_tokens == 200
+    assert SchedulerConfig(max_num_batched_tokens=300).for_device("cpu").max_num_batched_tokens == 300
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_num_seqs \(64\)"):
+        SchedulerConfig(max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="settle it for the device first"):
+        Scheduler(SchedulerConfig(), num_blocks=8, block_size=4, max_model_len=64, vocab_size=10,
+                  eos_token_ids=(), bytes_per_token=1, make_detokenizer=object)

@@ -196,8 +196,8 @@ def test_bad_or_unsupported_guides_are_refused_at_add_request() -> None:
     with pytest.raises(RequestError) as info:
         sched.add_request("a", ids("1"), SamplingParams(max_tokens=8, guide=("regex", "a(")))
     assert info.value.code == INVALID_PARAMS and "unclosed group" in str(info.value)
-    no_grammar = Scheduler(SchedulerConfig(), num_blocks=8, block_size=4, max_model_len=64, vocab_size=VOCAB,
-                           eos_token_ids=(EOS,), bytes_per_token=10, make_detokenizer=_Chars)
+    no_grammar = Scheduler(SchedulerConfig(max_num_batched_tokens=64), num_blocks=8, block_size=4, max_model_len=64,
+                           vocab_size=VOCAB, eos_token_ids=(EOS,), bytes_per_token=10, make_detokenizer=_Chars)
     with pytest.raises(RequestError, match="guide"):
         no_grammar.add_request("a", ids("1"), SamplingParams(max_tokens=8, guide=("json_object", "")))
 

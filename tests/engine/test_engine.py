@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from edgeinfer.config import SchedulerConfig
+from edgeinfer.config import CPU_STEP_TOKENS, SchedulerConfig
 from edgeinfer.core.events import OVERLOADED, PROMPT_TOO_LONG, Accepted, Error, Finished, Token
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import SamplingParams
@@ -104,11 +104,14 @@ async def check_same_as_alone(loaded, model, batched: dict[str, list], reqs) -> 
                 assert gap < NEAR_TIE, f"{rid}: token {j} differs ({got[j]} vs {alone[j]}), top-2 gap {gap}"
 
 
-async def concurrent_matches_alone(loaded, model, n: int, token_budget: int = 256) -> None:  # noqa: ANN001
+async def concurrent_matches_alone(loaded, model, n: int, token_budget: int | None = 256) -> None:  # noqa: ANN001
+    """``token_budget`` None: the engine's default for the CPU."""
     reqs = requests(n, loaded.tokenizer)
     engine = make_engine(loaded, model, 64, max_num_seqs=n, max_num_batched_tokens=token_budget)
     with anyio.fail_after(TIMEOUT_S):
         async with engine:
+            if token_budget is None:
+                assert engine._scheduler_actor.scheduler.config.max_num_batched_tokens == CPU_STEP_TOKENS
             batched = await generate_all(engine, reqs)
             stats = engine.stats()
             assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
@@ -126,13 +129,14 @@ async def test_32_concurrent_greedy_match_alone(loaded_model, model) -> None:  #
                     reason="this CPU has no AMX-BF16")
 async def test_concurrent_greedy_match_alone_with_bf16_prompts(loaded_model) -> None:  # noqa: ANN001
     """cpu_activations bf16-prompts (auto on AMX-BF16 CPUs): prompt rows in bf16, generated rows
-    in int8x2, in steps that mix both; each request's tokens as alone. Steps of up to 128 tokens
-    (the fused step's bound): a longer one attends in another order (the per-op forward), whose
-    last-bit differences bf16's coarser rounding turns into near ties at its own scale (16
-    requests at a 256-token budget: one differed, top-2 gap 0.0055)."""
+    in int8x2, in steps that mix both; each request's tokens as alone, at the engine's CPU step
+    budget, which is the fused step's bound: a longer step attends in another order (the per-op
+    forward), whose last-bit differences bf16's coarser rounding turns into near ties at its own
+    scale (16 requests at a 256-token budget: one differed, top-2 gap 0.0055)."""
     backend = choose_backend("int4_cpu", "cpu", int8_activations=True, a8_terms=2, a8_bf16_prompts=True)
+    assert CPU_STEP_TOKENS <= backend.fused_step_max_tokens
     model = LlamaModel(loaded_model.config, loaded_model.weights, backend)
-    await concurrent_matches_alone(loaded_model, model, 16, token_budget=backend.fused_step_max_tokens)
+    await concurrent_matches_alone(loaded_model, model, 16, token_budget=None)
 
 
 async def test_small_pool_preempts_and_resumes(loaded_model, model) -> None:  # noqa: ANN001

@@ -119,6 +119,17 @@ def test_api_key_is_validated_as_the_user_typed_it(tmp_path: Any, monkeypatch: p
     assert "--api-key" in capsys.readouterr().err
 
 
+def test_step_token_budget_below_the_batch_is_refused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-num-batched-tokens must leave every running sequence a token per step; refused before
+    the model loads, with both figures."""
+    from edgeinfer.cli.serve import serve_main
+
+    monkeypatch.setenv("EDGEINFER_CONFIG_DIR", str(tmp_path))
+    assert serve_main(["--port", "0", "--max-num-batched-tokens", "16"]) == 2
+    assert "max_num_batched_tokens (16) must be >= max_num_seqs (64)" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def live(default_model_path):  # noqa: ANN001, ANN201
     server = serve_model(default_model_path)
