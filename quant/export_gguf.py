@@ -195,6 +195,13 @@ def _write_metadata(writer: Any, config: ModelConfig, tokenizer: Tokenizer, file
         writer.add_eos_token_id(fields["eos_token_id"])
     if "chat_template" in fields:
         writer.add_chat_template(fields["chat_template"])
+    # The model's sampling defaults as general.sampling.*, which llama.cpp applies; its repeat
+    # penalty spans the last penalty_last_n tokens, not the whole context: not written.
+    sampling = tokenizer.sampling_defaults
+    for field, add in (("temperature", writer.add_sampling_temp), ("top_p", writer.add_sampling_top_p),
+                       ("top_k", writer.add_sampling_top_k), ("min_p", writer.add_sampling_min_p)):
+        if field in sampling:
+            add(sampling[field])
 
 
 def remove_stale(dst: Path) -> None:

@@ -106,8 +106,13 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def tokenizer_fields(reader: GGUFFile) -> dict[str, Any]:
-    """The file's tokenizer.* metadata, keys without the prefix."""
-    return {k.removeprefix("tokenizer."): v for k, v in reader.metadata.items() if k.startswith("tokenizer.")}
+    """The file's tokenizer.* metadata, keys without the prefix, and under "sampling" its
+    general.sampling.* keys without theirs (the sampling the model's publisher recommends, which
+    llama.cpp's converter writes from generation_config.json and llama.cpp applies by default)."""
+    fields = {k.removeprefix("tokenizer."): v for k, v in reader.metadata.items() if k.startswith("tokenizer.")}
+    prefix = "general.sampling."
+    fields["sampling"] = {k.removeprefix(prefix): v for k, v in reader.metadata.items() if k.startswith(prefix)}
+    return fields
 
 
 def read_config(reader: GGUFFile) -> ModelConfig:

@@ -18,7 +18,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer
-from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
+from edgeinfer.models.tokenizer_gguf import gguf_file_tokenizer
 from quant.formats import QuantizedTensor
 from quant.gguf_import import ModelFileError, check_weights, require_gguf_file
 
@@ -58,7 +58,7 @@ def _open_gguf(path: Path) -> Source:
     from quant.gguf_import import open_gguf_model
 
     gguf = open_gguf_model(path)
-    tokenizer = tokenizer_from_gguf(gguf.tokenizer_metadata)
+    tokenizer = gguf_file_tokenizer(path, gguf.tokenizer_metadata)
     types = {GGMLQuantizationType(t.ggml_type).name for t in gguf.tensors.values()}
     four_bit = tuple(sorted(t for t in types if t.startswith(("Q4", "IQ4", "Q3", "Q2", "IQ3", "IQ2", "IQ1"))))
     return Source("gguf", path, gguf.config, tokenizer, list(gguf.tensors), gguf.load, four_bit)

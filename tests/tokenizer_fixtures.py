@@ -146,9 +146,10 @@ def _finish(writer: object) -> None:
 
 
 def write_byte_level_gguf(tok: Tokenizer, path: Path, pre: str, bos: str | None, eos: str | None,
-                          template: str | None) -> None:
+                          template: str | None, sampling: dict[str, float] | None = None) -> None:
     """As convert_hf_to_gguf.py's _set_vocab_gpt2: added special tokens CONTROL, other added
-    tokens USER_DEFINED, the rest NORMAL; merges as "left right"."""
+    tokens USER_DEFINED, the rest NORMAL; merges as "left right". ``sampling``: general.sampling.*
+    keys (without the prefix), written by the gguf writer's add_sampling_* methods."""
     import gguf
 
     vocab = tok.get_vocab()
@@ -170,6 +171,8 @@ def write_byte_level_gguf(tok: Tokenizer, path: Path, pre: str, bos: str | None,
     writer.add_add_bos_token(False)
     if template is not None:
         writer.add_chat_template(template)
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
     _finish(writer)
 
 

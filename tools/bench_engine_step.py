@@ -1,10 +1,11 @@
 """Where one decode step of the engine goes, at one stream or many, and why the compute thread matters.
 
 1. `step`: the default model through `Engine` (--streams requests of 256-token prompts,
-   --new-tokens greedy tokens, --runs runs), decode steps only: median time between tokens, of
-   which the model forward (ModelRunner.logits), the rest of the model actor's step (batch,
-   sampling, result), and the scheduler's schedule + postprocess; what is left is the event loop
-   (mailboxes, event streams, waking on the compute thread). The target (issues #20 and #24, at 1
+   --new-tokens greedy tokens, --runs runs), the steps where every stream decodes one token:
+   median time from a step's start to the next one's, of which the model forward
+   (ModelRunner.logits), the rest of the model actor's step (batch, sampling, result), and the
+   scheduler's schedule + postprocess; what is left is the event loop (mailboxes, event
+   streams, waking on the compute thread). The target (issues #20 and #24, at 1
    and 16 streams): under 10% of the step outside the forward.
 2. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
@@ -59,40 +60,47 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
             model = engine._runner.model
             model.backend = dataclasses.replace(model.backend, fused_step_max_tokens=0)
         forward: list[float] = []
-        execute: list[float] = []
+        steps: list[tuple[float, float, bool]] = []  # (start, end, every stream decoding one token)
         plan: list[float] = []
         engine._runner.logits = timed(forward, engine._runner.logits)
-        engine._model_actor.execute = timed(execute, engine._model_actor.execute)
+        execute = engine._model_actor.execute
+
+        def stamped(step_plan: Any) -> Any:
+            start = time.perf_counter()
+            out = execute(step_plan)
+            full = len(step_plan.seqs) == streams and all(len(s.token_ids) == 1 for s in step_plan.seqs)
+            steps.append((start, time.perf_counter(), full))
+            return out
+
+        engine._model_actor.execute = stamped
         scheduler = engine._scheduler_actor.scheduler
         scheduler.schedule = timed(plan, scheduler.schedule)
         scheduler.postprocess = timed(plan, scheduler.postprocess)
         text = "Once upon a time, in a land far away, there lived a king. " * 40
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         print(f"{streams} stream(s), cpu activations {cpu_activations}{', per-op forward' if per_op else ''}")
-        print("run  step ms  forward ms  actor rest ms  schedule+post ms  outside the forward")
+        print("run  decode steps  step ms  forward ms  actor rest ms  schedule+post ms  outside the forward")
         for run in range(runs):
-            for record in (forward, execute, plan):
+            for record in (forward, steps, plan):
                 record.clear()
-            stamps: list[list[float]] = [[] for _ in range(streams)]
 
-            async def one(i: int, run: int = run, stamps: list[list[float]] = stamps) -> None:
+            async def one(i: int, run: int = run) -> None:
                 # Each stream its own prompt (a distinct first word), so no prefix is shared.
                 prompt = tuple(engine.tokenizer.encode(f"{i} {run} {text}"))[:256]
                 request = GenerateRequest(f"r{run}-{i}", prompt_token_ids=prompt, params=params)
                 async for _ in engine.generate(request):
-                    stamps[i].append(time.perf_counter())
+                    pass
 
             await asyncio.gather(*(one(i) for i in range(streams)))
-            # Decode steps only: from the last stream's first token on, every step serves them all.
-            start = max(s[0] for s in stamps)
-            times = [t for t in stamps[0] if t > start]
-            gaps = [b - a for a, b in zip(times[1:-1], times[2:], strict=False)]
-            decode = len(execute) // 2  # the later half of the steps: decode steps, all streams running
-            step, fwd = statistics.median(gaps), statistics.median(forward[decode:])
-            rest = statistics.median(execute[decode:]) - fwd
+            # Steps where every stream decodes one token (no prompt chunk, none finished), each
+            # from its start to the next step's start: what a token costs each stream then.
+            full = [i for i, (_, _, f) in enumerate(steps[:-1]) if f]
+            step = statistics.median(steps[i + 1][0] - steps[i][0] for i in full)
+            fwd = statistics.median(forward[i] for i in full)
+            rest = statistics.median(steps[i][1] - steps[i][0] - forward[i] for i in full)
             sched = 2 * statistics.median(plan)
-            print(f"{run:3d}  {step * 1e3:7.2f}  {fwd * 1e3:10.2f}  {rest * 1e3:13.3f}  {sched * 1e3:16.3f}"
-                  f"  {(step - fwd) * 1e3:.2f} ms = {(step - fwd) / step:.1%}")
+            print(f"{run:3d}  {len(full):12d}  {step * 1e3:7.2f}  {fwd * 1e3:10.2f}  {rest * 1e3:13.3f}"
+                  f"  {sched * 1e3:16.3f}  {(step - fwd) * 1e3:.2f} ms = {(step - fwd) / step:.1%}")
 
 
 def gemm_on_threads() -> None:

@@ -83,7 +83,8 @@ def _one_request_runtime(args: argparse.Namespace, tokens: int, sequences: int =
 
 
 # generate's sampling flags and what each is when not given: the engine replaces these with the
-# model's generation_config.json, else core.sampling_params.GENERATION_DEFAULTS (as for every front end).
+# model's own defaults (generation_config.json, GGUF general.sampling.*, the default model's card), else
+# core.sampling_params.GENERATION_DEFAULTS (as for every front end).
 _SAMPLING_FLAG_DEFAULTS = {"temperature": GENERATION_DEFAULTS.temperature, "top_p": GENERATION_DEFAULTS.top_p,
                            "top_k": 0, "max_tokens": GENERATION_DEFAULTS.max_tokens}
 
@@ -98,8 +99,9 @@ def _given_sampling_flags(args: argparse.Namespace) -> frozenset[str]:
     return given
 
 
-_TEMPERATURE_HELP = (f"0: greedy (the likeliest token each step); higher: more varied answers; default: the model's "
-                     f"generation_config.json, else {GENERATION_DEFAULTS.temperature}")
+_TEMPERATURE_HELP = (f"0: greedy (the likeliest token each step); higher: more varied answers; default: the "
+                     f"model's own (generation_config.json, GGUF general.sampling.temp), else "
+                     f"{GENERATION_DEFAULTS.temperature}")
 
 
 def _generate_params(args: argparse.Namespace) -> SamplingParams:

@@ -199,8 +199,9 @@ class SamplingParams:
         return params
 
 
-# What a model's own files (HF generation_config.json) may choose for a request that does not.
-MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# What a model's own files (HF generation_config.json, GGUF general.sampling.*) may choose for a
+# request that does not.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)

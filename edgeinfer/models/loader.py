@@ -17,7 +17,7 @@ import torch
 
 from edgeinfer.config import ModelConfig
 from edgeinfer.models.tokenizer import Tokenizer
-from edgeinfer.models.tokenizer_gguf import tokenizer_from_gguf
+from edgeinfer.models.tokenizer_gguf import gguf_file_tokenizer
 from quant.formats import QuantizedTensor
 from quant.gguf_import import ModelFileError, require_gguf_file
 
@@ -42,7 +42,7 @@ def load_model(path: str | Path) -> LoadedModel:
         from quant.gguf_import import load_gguf
 
         gguf = load_gguf(path)
-        return LoadedModel(gguf.config, gguf.weights, tokenizer_from_gguf(gguf.tokenizer_metadata), "gguf")
+        return LoadedModel(gguf.config, gguf.weights, gguf_file_tokenizer(path, gguf.tokenizer_metadata), "gguf")
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelFileError(f"{path} is a folder without config.json: not a model")

@@ -52,7 +52,7 @@ def _sentencepiece_bytes(piece: str) -> bytes:
 
 
 # core.sampling_params.MODEL_DEFAULT_FIELDS, named again: this file imports nothing of core/.
-SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:

@@ -14,11 +14,13 @@ Two vocabulary kinds, named by `tokenizer.ggml.model`:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from edgeinfer.models.pull import card_sampling_defaults
 from edgeinfer.models.tokenizer import Tokenizer
 from quant.gguf_eog import end_of_generation_ids
 from quant.gguf_import import ModelFileError
@@ -159,4 +161,30 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
         chat_template=meta.get("chat_template"),
         stop_token_ids=end_of_generation_ids(meta),
         byte_level=byte_level,
+        sampling_defaults=gguf_sampling_defaults(meta.get("sampling") or {}),
     )
+
+
+def gguf_file_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
+    """tokenizer_from_gguf for the file at ``path``; the pulled default model's file, which sets no
+    sampling of its own, gets its model card's (edgeinfer.models.pull.DEFAULT_MODEL)."""
+    tokenizer = tokenizer_from_gguf(meta)
+    if not tokenizer.sampling_defaults:
+        tokenizer.sampling_defaults = card_sampling_defaults(path)
+    return tokenizer
+
+
+# GGUF general.sampling.* keys -> SamplingParams fields (tokenizer.SAMPLING_DEFAULT_FIELDS).
+GGUF_SAMPLING_FIELDS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
+
+
+def gguf_sampling_defaults(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a GGUF file's general.sampling.* keys (without the prefix) set.
+    Those edgeinfer does not sample the same way are left out, named in the log: penalty_repeat
+    (llama.cpp's spans the last penalty_last_n tokens, edgeinfer's repetition_penalty the whole
+    context), mirostat, XTC and the sampler order."""
+    ignored = sorted(k for k in sampling if k not in GGUF_SAMPLING_FIELDS)
+    if ignored:
+        log.info("GGUF sampling defaults not applied (edgeinfer does not sample that way): %s",
+                 ", ".join(f"general.sampling.{k}" for k in ignored))
+    return {GGUF_SAMPLING_FIELDS[k]: v for k, v in sampling.items() if k in GGUF_SAMPLING_FIELDS}

@@ -76,3 +76,16 @@ def test_compiled_kernels_live_in_the_model_cache(env: dict, monkeypatch: pytest
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert cpu_ops._library_dir() == cache_dir() / "kernels"
+
+
+def test_the_default_model_samples_as_its_card_says(loaded_model, default_model_path: Path,  # noqa: ANN001
+                                                    tmp_path: Path) -> None:
+    """Its GGUF sets no general.sampling.*: the pulled file takes the model card's temperature 0.2
+    and top_p 0.9 (a request's unset fields get them); any other file, none of them."""
+    from edgeinfer.models.pull import card_sampling_defaults
+
+    assert loaded_model.tokenizer.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+    link = tmp_path / "elsewhere.gguf"
+    link.symlink_to(default_model_path)
+    assert card_sampling_defaults(link) == {"temperature": 0.2, "top_p": 0.9}  # the same file
+    assert card_sampling_defaults(tmp_path / "other.gguf") == {}

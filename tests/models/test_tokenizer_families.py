@@ -184,6 +184,22 @@ def test_folder_generation_config(tmp_path: Path) -> None:
     assert Tokenizer.from_folder(tmp_path).sampling_defaults == {"temperature": 0.0}  # greedy, as transformers
 
 
+def test_gguf_sampling_keys_are_the_models_defaults(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """general.sampling.* (llama.cpp's converter writes them from generation_config.json and
+    llama.cpp applies them) are the model's sampling defaults; those edgeinfer samples otherwise
+    (a repeat penalty over the last n tokens, mirostat) are left out and named in the log."""
+    tok = train_byte_level("qwen2")
+    write_byte_level_gguf(tok, tmp_path / "plain.gguf", "qwen2", None, "<|im_end|>", None)
+    assert _from_gguf(tmp_path / "plain.gguf").sampling_defaults == {}
+    sampling = {"temp": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "penalty_repeat": 1.1, "mirostat": 2}
+    write_byte_level_gguf(tok, tmp_path / "a.gguf", "qwen2", None, "<|im_end|>", None, sampling=sampling)
+    with caplog.at_level(logging.INFO, logger="edgeinfer.models.tokenizer_gguf"):
+        ours = _from_gguf(tmp_path / "a.gguf")
+    assert ours.sampling_defaults == {"temperature": pytest.approx(0.6), "top_p": pytest.approx(0.95),
+                                      "top_k": 20, "min_p": pytest.approx(0.05)}
+    assert "general.sampling.mirostat, general.sampling.penalty_repeat" in caplog.text
+
+
 def test_unknown_pre_tokenizer_warns_and_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     tok = train_byte_level("gpt-2")
     write_byte_level_gguf(tok, tmp_path / "a.gguf", "gpt-2", None, "<|endoftext|>", None)

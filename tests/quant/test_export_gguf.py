@@ -150,3 +150,8 @@ def test_default_model_round_trips_to_the_same_tensor_bytes(tmp_path: Path) -> N
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.pre", "tokenizer.chat_template", "llama.rope.freq_base"):
         assert exported.metadata[key] == source.metadata[key], key
+    # The source sets no sampling; its model card's defaults (edgeinfer.models.pull) go with the
+    # export as general.sampling.*, which llama.cpp applies.
+    assert not any(k.startswith("general.sampling.") for k in source.metadata)
+    assert (exported.metadata["general.sampling.temp"], exported.metadata["general.sampling.top_p"]) == \
+        (pytest.approx(0.2), pytest.approx(0.9))
