@@ -181,6 +181,9 @@ class RuntimeConfig:
     device: str = "cpu"
     linear_path: str = "auto"  # auto: int4_cpu on the CPU, triton on CUDA
     num_threads: int | None = None
+    # Fewer threads while other programs keep some of the cores busy (worker/cpu_share.py); False:
+    # always num_threads.
+    share_cpu: bool = True
     block_size: int = 16
     # K and V, unless overridden below. auto: fp16, as llama.cpp keeps it (the default model on
     # the CPU: the same decode speed as fp32 and half the pool, 9 MB less at 400 tokens); fp32 on

@@ -124,7 +124,9 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
                        help="size the KV cache by memory instead of --ctx x --parallel: bytes (1.5GB, 512MiB) or "
                             "a share of available memory (10%%)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's choice, "
-                   "one per core)")
+                   "one per core); fewer while other programs keep some cores busy")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="keep --threads even while other programs keep cores busy")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
     p.add_argument("--exact-head", action="store_true",
                    help="exact logits for every token (the int4 CPU path otherwise recomputes only the 64 "
@@ -136,6 +138,6 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     pool = {"max_model_len": args.ctx, "parallel": args.parallel} if hasattr(args, "ctx") else {}
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                          cpu_activations=args.cpu_activations, k_dtype=args.k_dtype, v_dtype=args.v_dtype,
-                         num_threads=args.threads,
+                         num_threads=args.threads, share_cpu=not args.fixed_threads,
                          cuda_graphs=args.cuda_graphs, exact_head=args.exact_head,
                          kv_memory_bytes=kv_bytes, kv_memory_fraction=kv_fraction, **pool)

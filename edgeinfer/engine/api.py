@@ -103,7 +103,9 @@ class Engine:
         `sampler` replaces edgeinfer.worker.sampler.sample (fault-injection tests); `draft` is a
         draft model's runner whose pool has the target pool's blocks (speculative "draft")."""
         scheduler = (scheduler or SchedulerConfig()).for_device(_device_type(runner))
-        engine = cls(EngineConfig("<runner>", scheduler=scheduler, supervision=supervision or SupervisionConfig(),
+        # A runner built elsewhere keeps the threads its builder chose (RuntimeConfig.share_cpu off).
+        engine = cls(EngineConfig("<runner>", RuntimeConfig(share_cpu=False), scheduler=scheduler,
+                                  supervision=supervision or SupervisionConfig(),
                                   draft_model_path=None if draft is None else "<runner>"))
         engine._runner, engine._tokenizer, engine._model_config = runner, tokenizer, model_config
         engine._draft_runner = draft
@@ -166,7 +168,8 @@ class Engine:
         model_ref, self._model_inbox = mailbox("model", 1)
         self._submit, self._scheduler_inbox = mailbox("scheduler", self._scheduler_config.mailbox_size)
         self._model_actor = ModelActor(self._runner, c.vocab_size, c.eos_token_ids, sampler=self._sampler,
-                                       thread=self._compute, draft=self._draft_runner)
+                                       thread=self._compute, draft=self._draft_runner,
+                                       share_cpu=self.config.runtime.share_cpu)
         self._scheduler_actor = SchedulerActor(scheduler, model_ref)
         log.info("engine ready: %d KV blocks of %d tokens (%d tokens)", pool.num_blocks, pool.block_size,
                  pool.num_blocks * pool.block_size)

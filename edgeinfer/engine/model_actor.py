@@ -33,6 +33,7 @@ import torch
 
 from edgeinfer.core.messages import PromptScores, SeqStep, StepPlan, StepResult
 from edgeinfer.worker.batch import SeqChunk
+from edgeinfer.worker.cpu_share import CpuShare
 from edgeinfer.worker.draft_model import DraftModel
 from edgeinfer.worker.model_runner import ModelRunner
 from edgeinfer.worker.sampler import SampleOutput, SamplingBatch, processed_logits, sample, sampling_probs
@@ -94,11 +95,14 @@ class ModelActor:
 
     def __init__(self, runner: StepRunner, vocab_size: int, eos_token_ids: tuple[int, ...],
                  seed: int = 0, sampler: Sampler = sample, thread: ThreadPoolExecutor | None = None,
-                 draft: ModelRunner | None = None) -> None:
+                 draft: ModelRunner | None = None, share_cpu: bool = False) -> None:
         """``thread``: the one-worker executor that runs every step (the engine's compute
         thread, which also built the runner); None: the actor makes its own. ``draft``: the draft
-        model's runner, whose pool has the target pool's blocks."""
+        model's runner, whose pool has the target pool's blocks. ``share_cpu``: a CPU model's steps
+        run on the cores other programs leave (worker/cpu_share.py)."""
         self.runner = runner
+        on_cpu = isinstance(runner, ModelRunner) and runner.model.device.type == "cpu"
+        self._cpu_share = CpuShare() if share_cpu and on_cpu else None
         self.draft = None if draft is None else DraftModel(draft, eos_token_ids)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -113,7 +117,7 @@ class ModelActor:
         failed step."""
         return ModelActor(self.runner, self.vocab_size, self.eos_token_ids, self._seed + 1, self._sampler,
                           None if self._owns_thread else self._thread,
-                          None if self.draft is None else self.draft.runner)
+                          None if self.draft is None else self.draft.runner, self._cpu_share is not None)
 
     async def handle(self, plan: StepPlan) -> StepResult:
         return await run_on(self._thread, self.execute, plan)
@@ -125,6 +129,8 @@ class ModelActor:
     def execute(self, plan: StepPlan) -> StepResult:
         """One step, synchronously (tests call this directly); the result carries the device's
         free memory read after the step, for the scheduler's next plan."""
+        if self._cpu_share is not None:
+            self._cpu_share.adjust()
         return dataclasses.replace(self._step(plan), free_device_bytes=self.runner.free_step_bytes())
 
     @torch.inference_mode()
