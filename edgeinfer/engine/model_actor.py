@@ -115,9 +115,11 @@ class ModelActor:
     def restarted(self) -> ModelActor:
         """A fresh actor (new generator, the same compute thread) over the same runner, after a
         failed step."""
-        return ModelActor(self.runner, self.vocab_size, self.eos_token_ids, self._seed + 1, self._sampler,
-                          None if self._owns_thread else self._thread,
-                          None if self.draft is None else self.draft.runner, self._cpu_share is not None)
+        actor = ModelActor(self.runner, self.vocab_size, self.eos_token_ids, self._seed + 1, self._sampler,
+                           None if self._owns_thread else self._thread,
+                           None if self.draft is None else self.draft.runner)
+        actor._cpu_share = self._cpu_share  # it knows the configured threads, which it may have lowered
+        return actor
 
     async def handle(self, plan: StepPlan) -> StepResult:
         return await run_on(self._thread, self.execute, plan)

@@ -129,3 +129,31 @@ def test_the_engine_decodes_on_the_cores_left(default_model_path, caplog: pytest
         last = anyio.run(main)
     assert isinstance(last, Finished) and last.usage.completion_tokens == 64
     assert "CPU steps now run on 1 thread" in caplog.text
+
+
+def test_only_a_cpu_model_actor_shares_and_a_restart_keeps_its_share() -> None:
+    """A restarted actor keeps the CpuShare that knows the configured threads (a fresh one would
+    take a lowered count as the configuration); fake runners, not CPU models, get none."""
+    from fake_runner import FakeRunner
+
+    from edgeinfer.config import ModelConfig
+    from edgeinfer.engine.model_actor import ModelActor
+    from edgeinfer.models.llama import LlamaModel
+    from edgeinfer.models.synthetic import synthetic_model
+    from edgeinfer.worker.model_runner import ModelRunner
+    from kernels.dispatch import choose_backend
+    from kernels.kv_pool import KVPool
+
+    tiny = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, max_position=128)
+    loaded = synthetic_model(tiny, "int8", group_size=32, seed=1)
+    model = LlamaModel(loaded.config, dict(loaded.weights), choose_backend("reference"))
+    runner = ModelRunner(model, KVPool(2, 4, 4, 2, 16, "fp32", "fp32", "cpu"), 4)
+    actor = ModelActor(runner, 64, (1,), share_cpu=True)
+    try:
+        assert actor._cpu_share is not None
+        assert actor.restarted()._cpu_share is actor._cpu_share
+        assert ModelActor(runner, 64, (1,))._cpu_share is None  # share_cpu off
+        assert ModelActor(FakeRunner(4, 4), 64, (1,), share_cpu=True)._cpu_share is None
+    finally:
+        actor.close()
