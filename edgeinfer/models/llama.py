@@ -279,6 +279,10 @@ class LlamaModel(LlamaLayers):
         super().__init__(config, backend, scratch_numel(prepared.linears()), max_positions)
         self.weights = prepared
         self.kv_calibration_ids = tuple(kv_calibration_ids)
+        # The fused step's Qwen 2 biases and Qwen 3 q/k norms, where the architecture has them.
+        self._qkv_biases = [layer.qkv_bias for layer in prepared.layers if layer.qkv_bias is not None]
+        self._qk_norms = [w for layer in prepared.layers if layer.q_norm is not None
+                          for w in (layer.q_norm, layer.k_norm)]
 
     @property
     def fused_steps(self) -> bool:
@@ -331,7 +335,7 @@ class LlamaModel(LlamaLayers):
             tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
             a8_wsums=self.weights.fused_wsums, a8_isa=self._a8_isa if self.weights.fused_wsums else "",
             a8_terms=self.backend.a8_terms,
-            a8_bf16_rows=self._bf16_rows(batch),
+            a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 

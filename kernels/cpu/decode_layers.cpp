@@ -180,7 +180,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    at::TensorList k_scales, at::TensorList v_scales, at::TensorList k_zeros, at::TensorList v_zeros,
                    const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
                    at::TensorList a8_wsums, const std::string& a8_isa, int64_t a8_terms,
-                   const c10::optional<at::Tensor>& a8_bf16_rows) {
+                   const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
+                   at::TensorList qk_norms) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -240,6 +241,20 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
+  // Qwen 2's q/k/v biases (added to the projection) and Qwen 3's q/k norms (RMSNorm over each
+  // head's q and k, before RoPE), as the per-op forward applies them.
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
+              "qkv_biases: none or one per layer");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "qk_norms: none or two per layer (q's, k's)");
+  for (const at::Tensor& b : qkv_biases) {
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == qkv_size,
+                "qkv biases must be contiguous fp32 ((Hq + 2 Hkv) * D,)");
+  }
+  for (const at::Tensor& w : qk_norms) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == head_dim,
+                "q/k norm weights must be contiguous fp32 (head_dim,)");
+  }
   // a8: the linears are kernels.cpu_a8 tiles (codes, scales, mins or empty; wsum in a8_wsums)
   // run with int8 activations on the a8_isa kernel; the intermediate size is then down's K.
   const bool a8 = !a8_isa.empty();
@@ -318,6 +333,13 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         float* row = qkv.data() + t * qkv_size;
+        if (!qkv_biases.empty()) add_into(row, qkv_biases[l].data_ptr<float>(), qkv_size);
+        if (!qk_norms.empty()) {  // in place: a row is read whole before it is written
+          edgeinfer_cpu::rms_norm_rows(row, qk_norms[2 * l].data_ptr<float>(), num_heads, head_dim,
+                                       static_cast<float>(eps), row);
+          edgeinfer_cpu::rms_norm_rows(row + q_size, qk_norms[2 * l + 1].data_ptr<float>(), num_kv_heads, head_dim,
+                                       static_cast<float>(eps), row + q_size);
+        }
         rope(row, num_heads + num_kv_heads, head_dim, cos_table.data_ptr<float>() + pos[t] * head_dim,
              sin_table.data_ptr<float>() + pos[t] * head_dim);
         if (quantized) {
@@ -375,7 +397,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
         "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1, "
-        "Tensor? a8_bf16_rows=None) -> ()");
+        "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

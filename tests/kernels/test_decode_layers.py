@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from edgeinfer.config import ModelConfig, RuntimeConfig
+from edgeinfer.config import ArchSpec, ModelConfig, RuntimeConfig
 from edgeinfer.models.llama import LlamaModel
 from edgeinfer.models.loader import LoadedModel
 from edgeinfer.models.synthetic import synthetic_model
@@ -426,5 +426,44 @@ def test_fused_decode_with_kv_heads_and_long_contexts_matches_the_per_op_forward
                   for n, t in zip(lengths, tables, strict=True)]
         token_ids, batch = build_batch(chunks, BLOCK, fused.device)
         assert fused.runs_fused(2, pools[0]) and not per_op.runs_fused(2, pools[1])
+        a, b = fused.forward(token_ids, batch, pools[0]), per_op.forward(token_ids, batch, pools[1])
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("spec", [ArchSpec(qkv_bias=True), ArchSpec(qk_norm=True),
+                                  ArchSpec(qkv_bias=True, qk_norm=True)],
+                         ids=["qwen2-biases", "qwen3-qk-norms", "both"])
+@pytest.mark.parametrize("kv_dtype", ["fp16", "int8"])
+def test_qwen_biases_and_qk_norms_run_fused_as_the_per_op_forward(spec: ArchSpec, kv_dtype: str) -> None:
+    """Qwen 2's q/k/v biases and Qwen 3's per-head q/k RMSNorms (random, far from zero and one)
+    in the fused step: prompt, then decode, as the per-op forward computes them."""
+    config = dataclasses.replace(CONFIG, spec=spec)
+    loaded = synthetic_model(config, "int4", group_size=32, seed=5)
+    g = torch.Generator().manual_seed(5)
+    weights = dict(loaded.weights)
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        for part, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            weights[f"{prefix}{part}.bias"] = torch.randn(size, generator=g)
+        for norm in ("q_norm", "k_norm"):
+            weights[f"{prefix}{norm}.weight"] = 0.5 + torch.rand(config.head_dim, generator=g)
+    fused = LlamaModel(config, weights)
+    assert fused.fused_steps, "biases and q/k norms no longer keep a model off the fused step"
+    per_op = LlamaModel(config, weights, dataclasses.replace(fused.backend, fused_step_max_tokens=0))
+    lengths, tables = (7, 11), [(4, 9, 2), (1, 6, 13, 3)]
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    pools = [KVPool(config.num_layers, 24, BLOCK, config.num_kv_heads, config.head_dim, kv_dtype, kv_dtype, "cpu")
+             for _ in range(2)]
+    tol = {"int8": 1 / 127}.get(kv_dtype, 1e-3)
+    chunks = [SeqChunk(tuple(ids), 0, t) for ids, t in zip(prompts, tables, strict=True)]
+    token_ids, batch = build_batch(chunks, BLOCK, fused.device)
+    assert fused.runs_fused(len(token_ids), pools[0])
+    a, b = fused.forward(token_ids, batch, pools[0]), per_op.forward(token_ids, batch, pools[1])
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+    for step in range(2):
+        chunks = [SeqChunk((int(torch.randint(0, config.vocab_size, (), generator=g)),), n + step, t)
+                  for n, t in zip(lengths, tables, strict=True)]
+        token_ids, batch = build_batch(chunks, BLOCK, fused.device)
         a, b = fused.forward(token_ids, batch, pools[0]), per_op.forward(token_ids, batch, pools[1])
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
