@@ -336,6 +336,7 @@ class LlamaModel(LlamaLayers):
             a8_wsums=self.weights.fused_wsums, a8_isa=self._a8_isa if self.weights.fused_wsums else "",
             a8_terms=self.backend.a8_terms,
             a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
+            window=c.spec.sliding_window or 0,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 

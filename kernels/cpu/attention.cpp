@@ -259,7 +259,7 @@ constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not wo
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, float scale, float* out, const KvScales& sc = {}) {
+            int64_t block_size, float scale, float* out, const KvScales& sc, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
@@ -284,8 +284,9 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
     std::vector<int64_t> srows;  // int8 caches: index of each token's scale for KV head 0 (slot * Hkv)
     for (int64_t unit = u0; unit < u1; ++unit) {
       const int64_t s = unit / parts, part = unit % parts;
-      const int64_t len = lens[s];
-      const int64_t t_begin = len * part / parts, t_end = len * (part + 1) / parts;
+      // A sliding window (Mistral, Phi-3) keeps the last `window` tokens: the query and window - 1 before it.
+      const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
+      const int64_t t_begin = first + (len - first) * part / parts, t_end = first + (len - first) * (part + 1) / parts;
       if (t_end > t_begin) {
         rows.resize(t_end - t_begin);
         for (int64_t t = t_begin; t < t_end;) {  // block by block: no division per token
@@ -362,12 +363,13 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
 void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
                 const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero, const int32_t* tables,
                 int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale,
-                float* out) {
+                float* out, int64_t window = 0) {
   const bool int4 = k_cache.scalar_type() == at::kByte;
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t head_dim = int4 ? 2 * k_cache.size(3) : k_cache.size(3);
   const auto run = [&](auto* k, auto* v, const KvScales& sc = {}) {
-    decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, sc);
+    decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, sc,
+           window);
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
@@ -420,9 +422,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& k_zero,
                                      const at::Tensor& v_zero, const int32_t* tables, int64_t table_stride,
-                                     const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale, float* out) {
+                                     const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale, float* out,
+                                     int64_t window) {
   decode_any(q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, tables, table_stride, lens, num_seqs, num_heads,
-             scale, out);
+             scale, out, window);
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

@@ -181,7 +181,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
                    at::TensorList a8_wsums, const std::string& a8_isa, int64_t a8_terms,
                    const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
-                   at::TensorList qk_norms) {
+                   at::TensorList qk_norms, int64_t window) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -243,6 +243,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   const int64_t qkv_size = q_size + 2 * kv_size;
   // Qwen 2's q/k/v biases (added to the projection) and Qwen 3's q/k norms (RMSNorm over each
   // head's q and k, before RoPE), as the per-op forward applies them.
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
               "qkv_biases: none or one per layer");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
@@ -372,7 +373,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
                                     quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none, int4 ? v_zeros[l] : none,
                                     tables.data_ptr<int32_t>(), tables.size(1), len, m, num_heads,
-                                    static_cast<float>(scale), attn.data());
+                                    static_cast<float>(scale), attn.data(), window);
     if (quantized) {
       at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
@@ -397,7 +398,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
         "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1, "
-        "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms) -> ()");
+        "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

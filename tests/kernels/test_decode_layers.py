@@ -431,12 +431,13 @@ def test_fused_decode_with_kv_heads_and_long_contexts_matches_the_per_op_forward
 
 
 @pytest.mark.parametrize("spec", [ArchSpec(qkv_bias=True), ArchSpec(qk_norm=True),
-                                  ArchSpec(qkv_bias=True, qk_norm=True)],
-                         ids=["qwen2-biases", "qwen3-qk-norms", "both"])
+                                  ArchSpec(qkv_bias=True, qk_norm=True), ArchSpec(sliding_window=5)],
+                         ids=["qwen2-biases", "qwen3-qk-norms", "both", "window"])
 @pytest.mark.parametrize("kv_dtype", ["fp16", "int8"])
-def test_qwen_biases_and_qk_norms_run_fused_as_the_per_op_forward(spec: ArchSpec, kv_dtype: str) -> None:
-    """Qwen 2's q/k/v biases and Qwen 3's per-head q/k RMSNorms (random, far from zero and one)
-    in the fused step: prompt, then decode, as the per-op forward computes them."""
+def test_qwen_biases_qk_norms_and_windows_run_fused_as_the_per_op_forward(spec: ArchSpec, kv_dtype: str) -> None:
+    """Qwen 2's q/k/v biases and Qwen 3's per-head q/k RMSNorms (random, far from zero and one),
+    and a sliding window on every layer (Mistral, Phi-3; 5 tokens, shorter than the contexts) in
+    the fused step: prompt, then decode, as the per-op forward computes them."""
     config = dataclasses.replace(CONFIG, spec=spec)
     loaded = synthetic_model(config, "int4", group_size=32, seed=5)
     g = torch.Generator().manual_seed(5)

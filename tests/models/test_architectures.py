@@ -136,15 +136,15 @@ def test_transformers_4_config_reads_the_same(name: str, tmp_path: Path) -> None
     assert ModelConfig.from_dict(json.loads(json.dumps(v5.to_dict()))) == v5
 
 
-def test_fused_cpu_step_runs_rope_scaling_biases_qk_norms_and_falls_back_for_the_rest(
+def test_fused_cpu_step_runs_rope_scaling_biases_qk_norms_windows_and_falls_back_for_the_rest(
         fixtures: dict[str, Fixture], folder: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The C++ step is Llama's layer with Qwen's q/k/v biases and q/k norms: with int4 weights a
-    llama3 (scaled RoPE tables), a qwen2 and a qwen3 model run it and agree with the per-op
-    forward; a gemma2 model (sandwich norms, GELU, soft-caps) runs layer by layer, saying so once,
-    by feature."""
+    """The C++ step is Llama's layer with Qwen's q/k/v biases and q/k norms and one sliding window
+    for every layer: with int4 weights a llama3 (scaled RoPE tables), a qwen2, a qwen3, a mistral
+    and a phi3 model (windows shorter than the prompt) run it and agree with the per-op forward; a
+    gemma2 model (sandwich norms, GELU, soft-caps) runs layer by layer, saying so once, by feature."""
     if not cpu_ops.available():
         pytest.skip("the C++ ops do not build here")
-    for name in ("llama3", "qwen2", "qwen3", "gemma2"):
+    for name in ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2"):
         fixture = _fixture(fixtures, name, folder)
         config, weights = load_hf_folder(fixture.folder)
         weights = {k: quantize_int4(w, 32) if w.dim() == 2 and "embed" not in k else w for k, w in weights.items()}
@@ -152,9 +152,10 @@ def test_fused_cpu_step_runs_rope_scaling_biases_qk_norms_and_falls_back_for_the
             model = build_model(LoadedModel(config, weights, None, "hf"), RuntimeConfig(linear_path="int4_cpu"))
         runtime = RuntimeConfig(linear_path="int4_cpu", kv_dtype="fp32")
         runner = fixed_runner(model, runtime, 64)
-        chunk = SeqChunk(tuple(fixture.prompt[:40]), 0, tuple(range(runner.pool.num_blocks)), num_logits=40)
+        # 60 tokens: past the fixtures' 48-token windows
+        chunk = SeqChunk(tuple(fixture.prompt[:60]), 0, tuple(range(runner.pool.num_blocks)), num_logits=60)
         token_ids, batch = build_batch([chunk], runtime.block_size, model.device)
-        assert model.runs_fused(40, runner.pool) == (name != "gemma2"), name
+        assert model.runs_fused(60, runner.pool) == (name != "gemma2"), name
         fused = model.forward(token_ids, batch, runner.pool)
         per_op = model.forward(token_ids, batch, runner.pool, observe=lambda *_: None)
         assert float((fused - per_op).norm() / per_op.norm()) < 1e-3, name
