@@ -6,10 +6,11 @@
 // path (int4 or int8 linears, each with its own group size: a GGUF Q4_K_M mixes int4 g32 from
 // Q4_K with int8 g16 from Q6_K; plain KV caches, or int8 / int4 ones: K/V rotated, keys
 // centred, then quantized) and its own per-op forward is the reference.
-// Per layer: RMSNorm, QKV (int4/int8 GEMM), RoPE, the K/V write into the paged pool, attention, the
-// output projection and residual, RMSNorm, gate/up, SiLU * up, down and residual: the same
-// arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
-// torch dispatches per layer (~3-5 us each, 30 layers, every token).
+// Per layer: RMSNorm, QKV (int4/int8 GEMM; + Qwen 2's biases; Qwen 3's per-head q/k RMSNorms),
+// RoPE, the K/V write into the paged pool, attention (within a sliding window where every layer
+// has one: Mistral, Phi-3), the output projection and residual, RMSNorm, gate/up, SiLU * up, down
+// and residual: the same arithmetic as the per-op path through the same kernels (ops.h), without
+// ~25 Python calls and torch dispatches per layer (~3-5 us each, 30 layers, every token).
 //
 // h (M, hidden) fp32 is updated in place: M tokens at `positions`, written to pool slots
 // `slot_mapping`; token t attends over the first context_lens[t] slots of its sequence through
@@ -242,7 +243,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
   // Qwen 2's q/k/v biases (added to the projection) and Qwen 3's q/k norms (RMSNorm over each
-  // head's q and k, before RoPE), as the per-op forward applies them.
+  // head's q and k, before RoPE), as the per-op forward applies them; one window for every layer.
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
               "qkv_biases: none or one per layer");
