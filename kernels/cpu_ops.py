@@ -168,7 +168,9 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None,
                   a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "", a8_terms: int = 1,
                   a8_bf16_rows: torch.Tensor | None = None, qkv_biases: Sequence[torch.Tensor] = (),
-                  qk_norms: Sequence[torch.Tensor] = (), window: int = 0) -> None:
+                  qk_norms: Sequence[torch.Tensor] = (), out_norms: Sequence[torch.Tensor] = (), window: int = 0,
+                  global_every: int = 0, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  activation: str = "silu") -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
@@ -181,14 +183,18 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
     int8 terms (kernels.cpu_a8.a8_linear), except the rows ``a8_bf16_rows`` ((M,) bool) marks,
     which run in bf16 on AMX-BF16; ``qkv_biases`` (one fp32 ((Hq + 2 Hkv) * D,) per layer, added
     to QKV) and ``qk_norms`` (q's and k's fp32 (D,) RMSNorm weights per layer, over each head before
-    RoPE), where the architecture has them; ``window``: every layer's sliding window (a query
-    attends to itself and the window - 1 tokens before it; 0: the whole context);
+    RoPE) and ``out_norms`` (Gemma's sandwich norms: the attention's and the MLP's output norm
+    weights per layer), where the architecture has them; ``window``: the sliding window of local
+    layers (a query attends to itself and the window - 1 tokens before it; 0: none), every layer
+    local unless ``global_every`` makes each global_every-th global; ``local_rope``: local layers'
+    own (cos, signed_sin) tables (Gemma 3); ``activation``: "silu" or "gelu_tanh";
     ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
                                           key_centres, list(a8_wsums), a8_isa, a8_terms, a8_bf16_rows,
-                                          list(qkv_biases), list(qk_norms), window)
+                                          list(qkv_biases), list(qk_norms), list(out_norms), window,
+                                          global_every, *(local_rope or (None, None)), activation)
 
 
 FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prepare_int8 or cpu_a8 weight

@@ -279,10 +279,13 @@ class LlamaModel(LlamaLayers):
         super().__init__(config, backend, scratch_numel(prepared.linears()), max_positions)
         self.weights = prepared
         self.kv_calibration_ids = tuple(kv_calibration_ids)
-        # The fused step's Qwen 2 biases and Qwen 3 q/k norms, where the architecture has them.
+        # The fused step's Qwen 2 biases, q/k norms and Gemma's sandwich norms, where the
+        # architecture has them.
         self._qkv_biases = [layer.qkv_bias for layer in prepared.layers if layer.qkv_bias is not None]
         self._qk_norms = [w for layer in prepared.layers if layer.q_norm is not None
                           for w in (layer.q_norm, layer.k_norm)]
+        self._out_norms = [w for layer in prepared.layers if layer.attn_out_norm is not None
+                           for w in (layer.attn_out_norm, layer.mlp_out_norm)]
 
     @property
     def fused_steps(self) -> bool:
@@ -336,7 +339,8 @@ class LlamaModel(LlamaLayers):
             a8_wsums=self.weights.fused_wsums, a8_isa=self._a8_isa if self.weights.fused_wsums else "",
             a8_terms=self.backend.a8_terms,
             a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
-            window=c.spec.sliding_window or 0,
+            out_norms=self._out_norms, window=c.spec.sliding_window or 0, global_every=c.spec.global_every,
+            local_rope=self._local_rope, activation=c.spec.activation,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 

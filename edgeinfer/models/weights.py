@@ -41,11 +41,11 @@ log = logging.getLogger(__name__)
 Weight = torch.Tensor | QuantizedTensor
 
 # ArchSpec features the fused C++ step (kernels/cpu/decode_layers.cpp: Llama's layer, with Qwen 2's
-# q/k/v biases, Qwen 3's q/k norms and one sliding window for every layer, Mistral's and Phi-3's)
-# lacks: a model with one runs the per-op forward. Gemma's local and global layers (global_every,
-# local_rope_theta) are windows per layer. (RoPE scaling, norm offsets, fused checkpoint weights,
-# the attention scale, the embedding scale and the final soft-cap all live outside that step.)
-FUSED_STEP_LACKS = ("sandwich_norms", "activation", "attn_softcap", "global_every", "local_rope_theta")
+# q/k/v biases, q/k norms, sliding windows on every layer or on Gemma's local ones with their own
+# RoPE, sandwich norms and GELU) lacks: a model with one runs the per-op forward. Only Gemma 2's
+# soft-capped attention is left. (RoPE scaling, norm offsets, fused checkpoint weights, the
+# attention scale, the embedding scale and the final soft-cap all live outside that step.)
+FUSED_STEP_LACKS = ("attn_softcap",)
 
 
 def spec_features(spec: ArchSpec, names: Sequence[str]) -> list[str]:

@@ -6,11 +6,13 @@
 // path (int4 or int8 linears, each with its own group size: a GGUF Q4_K_M mixes int4 g32 from
 // Q4_K with int8 g16 from Q6_K; plain KV caches, or int8 / int4 ones: K/V rotated, keys
 // centred, then quantized) and its own per-op forward is the reference.
-// Per layer: RMSNorm, QKV (int4/int8 GEMM; + Qwen 2's biases; Qwen 3's per-head q/k RMSNorms),
-// RoPE, the K/V write into the paged pool, attention (within a sliding window where every layer
-// has one: Mistral, Phi-3), the output projection and residual, RMSNorm, gate/up, SiLU * up, down
-// and residual: the same arithmetic as the per-op path through the same kernels (ops.h), without
-// ~25 Python calls and torch dispatches per layer (~3-5 us each, 30 layers, every token).
+// Per layer: RMSNorm, QKV (int4/int8 GEMM; + Qwen 2's biases; per-head q/k RMSNorms), RoPE (a
+// local layer's own tables where given), the K/V write into the paged pool, attention (within
+// the sliding window on local layers: every layer of Mistral and Phi-3, Gemma's between its
+// global ones), the output projection (Gemma: normed) and residual, RMSNorm, gate/up, SiLU or
+// GELU-tanh * up, down (Gemma: normed) and residual: the same arithmetic as the per-op path
+// through the same kernels (ops.h), without ~25 Python calls and torch dispatches per layer
+// (~3-5 us each, 30 layers, every token).
 //
 // h (M, hidden) fp32 is updated in place: M tokens at `positions`, written to pool slots
 // `slot_mapping`; token t attends over the first context_lens[t] slots of its sequence through
@@ -65,7 +67,11 @@ void write_kv(const float* src, int64_t count, at::Tensor& cache, int64_t slot) 
 
 // out = silu(gate) * up over rows of [gate | up]; silu(g) = g * sigmoid(g) with the exp of -|g|
 // only (exp_nonpositive), relative error ~2e-7 like the softmax's.
-void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
+// act(gate) * up per row, act SiLU (g * sigmoid(g)) or, with kGelu, GELU's tanh form (Gemma):
+// 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3).
+template <bool kGelu>
+void act_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
+  constexpr float kC = 0.7978845608028654f, kCube = 0.044715f;
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < rows; ++r) {
@@ -75,14 +81,22 @@ void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
     int64_t i = 0;
     for (; i + 8 <= inter; i += 8) {
       const __m256 gv = _mm256_loadu_ps(g + i);
-      const __m256 e = edgeinfer_cpu::exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
+      __m256 a = gv;  // sigmoid's argument
+      if constexpr (kGelu) {
+        const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+        a = _mm256_mul_ps(_mm256_set1_ps(2.0f * kC), _mm256_fmadd_ps(_mm256_set1_ps(kCube), cube, gv));
+      }
+      const __m256 e = edgeinfer_cpu::exp_nonpositive(_mm256_or_ps(a, sign));  // exp(-|a|)
       const __m256 denom = _mm256_add_ps(one, e);
-      // sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0
-      const __m256 numer = _mm256_blendv_ps(one, e, gv);
+      // sigmoid(a) = 1 / (1 + e) for a >= 0, e / (1 + e) for a < 0
+      const __m256 numer = _mm256_blendv_ps(one, e, a);
       const __m256 sig = _mm256_div_ps(numer, denom);
       _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
     }
-    for (; i < inter; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (; i < inter; ++i) {
+      const float a = kGelu ? 2.0f * kC * (g[i] + kCube * g[i] * g[i] * g[i]) : g[i];
+      o[i] = g[i] / (1.0f + std::exp(-a)) * u[i];
+    }
   }
 }
 
@@ -182,7 +196,9 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
                    at::TensorList a8_wsums, const std::string& a8_isa, int64_t a8_terms,
                    const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
-                   at::TensorList qk_norms, int64_t window) {
+                   at::TensorList qk_norms, at::TensorList out_norms, int64_t window, int64_t global_every,
+                   const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
+                   const std::string& activation) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -242,9 +258,24 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   }
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size;
-  // Qwen 2's q/k/v biases (added to the projection) and Qwen 3's q/k norms (RMSNorm over each
-  // head's q and k, before RoPE), as the per-op forward applies them; one window for every layer.
-  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
+  // Qwen 2's q/k/v biases (added to the projection), q/k norms (RMSNorm over each head's q and
+  // k, before RoPE), Gemma's output norms, windows and activation, as the per-op forward applies them.
+  TORCH_CHECK(window >= 0 && global_every >= 0, "window and global_every must be >= 0 (0: none)");
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation must be silu or gelu_tanh, got ",
+              activation);
+  TORCH_CHECK(out_norms.empty() || static_cast<int64_t>(out_norms.size()) == 2 * layers,
+              "out_norms: none or two per layer (the attention's and the MLP's output norms)");
+  for (const at::Tensor& w : out_norms) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == h.size(1),
+                "output norm weights must be contiguous fp32 (hidden,)");
+  }
+  TORCH_CHECK(local_cos.has_value() == local_sin.has_value() &&
+                  (!local_cos.has_value() || (local_cos->sizes() == cos_table.sizes() &&
+                                              local_sin->sizes() == cos_table.sizes() &&
+                                              local_cos->scalar_type() == at::kFloat &&
+                                              local_sin->scalar_type() == at::kFloat &&
+                                              local_cos->is_contiguous() && local_sin->is_contiguous())),
+              "local RoPE tables: both or neither, contiguous fp32 shaped as the global ones");
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
               "qkv_biases: none or one per layer");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
@@ -321,6 +352,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
       edgeinfer_cpu::quantized_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], group[4 * l + j], out);
     }
   };
+  const bool gelu = activation == "gelu_tanh";
   std::vector<float> x(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), y(m * hidden),
       gate_up(m * 2 * inter), act(m * inter);
   float* hp = h.data_ptr<float>();
@@ -328,6 +360,11 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
     at::Tensor k_cache = k_caches[l];
     at::Tensor v_cache = v_caches[l];
+    // Local layers (all of them without global_every; Gemma's global ones every global_every-th)
+    // attend within the window, with their own RoPE tables where given (Gemma 3).
+    const bool local = window > 0 && (global_every == 0 || (l + 1) % global_every != 0);
+    const float* cos_l = (local && local_cos.has_value() ? *local_cos : cos_table).data_ptr<float>();
+    const float* sin_l = (local && local_sin.has_value() ? *local_sin : sin_table).data_ptr<float>();
     edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
     linear(w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
     // Tokens (and below, SiLU rows) in parallel; with RoPE vectorized, a 16-sequence step spends
@@ -342,8 +379,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
           edgeinfer_cpu::rms_norm_rows(row + q_size, qk_norms[2 * l + 1].data_ptr<float>(), num_kv_heads, head_dim,
                                        static_cast<float>(eps), row + q_size);
         }
-        rope(row, num_heads + num_kv_heads, head_dim, cos_table.data_ptr<float>() + pos[t] * head_dim,
-             sin_table.data_ptr<float>() + pos[t] * head_dim);
+        rope(row, num_heads + num_kv_heads, head_dim, cos_l + pos[t] * head_dim, sin_l + pos[t] * head_dim);
         if (quantized) {
           float* keys = row + q_size;
           if (key_centres.has_value()) {
@@ -374,20 +410,29 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
                                     quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none, int4 ? v_zeros[l] : none,
                                     tables.data_ptr<int32_t>(), tables.size(1), len, m, num_heads,
-                                    static_cast<float>(scale), attn.data(), window);
+                                    static_cast<float>(scale), attn.data(), local ? window : 0);
     if (quantized) {
       at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
       });
     }
     linear(w, l, 1, 4, attn.data(), hidden, q_size, y.data());
+    if (!out_norms.empty()) {  // Gemma's sandwich norms: each block's output normed before the residual
+      edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l].data_ptr<float>(), m, hidden, static_cast<float>(eps),
+                                   y.data());
+    }
     add_into(hp, y.data(), m * hidden);
     edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
     linear(w, l, 2, 8, x.data(), 2 * inter, hidden, gate_up.data());
     at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
-      silu_mul(gate_up.data() + r0 * 2 * inter, r1 - r0, inter, act.data() + r0 * inter);
+      (gelu ? act_mul<true> : act_mul<false>)(gate_up.data() + r0 * 2 * inter, r1 - r0, inter,
+                                               act.data() + r0 * inter);
     });
     linear(w, l, 3, 11, act.data(), hidden, inter, y.data());
+    if (!out_norms.empty()) {
+      edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l + 1].data_ptr<float>(), m, hidden,
+                                   static_cast<float>(eps), y.data());
+    }
     add_into(hp, y.data(), m * hidden);
   }
 }
@@ -399,7 +444,8 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
         "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1, "
-        "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, int window=0) -> ()");
+        "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor[] out_norms, int window=0, int global_every=0, "
+        "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -430,14 +430,20 @@ def test_fused_decode_with_kv_heads_and_long_contexts_matches_the_per_op_forward
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
 
 
+GEMMA3 = ArchSpec(qk_norm=True, norm_offset=1.0, sandwich_norms=True, activation="gelu_tanh", sliding_window=5,
+                  global_every=2, local_rope_theta=1000.0)
+
+
 @pytest.mark.parametrize("spec", [ArchSpec(qkv_bias=True), ArchSpec(qk_norm=True),
-                                  ArchSpec(qkv_bias=True, qk_norm=True), ArchSpec(sliding_window=5)],
-                         ids=["qwen2-biases", "qwen3-qk-norms", "both", "window"])
+                                  ArchSpec(qkv_bias=True, qk_norm=True), ArchSpec(sliding_window=5),
+                                  ArchSpec(sandwich_norms=True, activation="gelu_tanh"), GEMMA3],
+                         ids=["qwen2-biases", "qwen3-qk-norms", "both", "window", "sandwich-gelu", "gemma3"])
 @pytest.mark.parametrize("kv_dtype", ["fp16", "int8"])
-def test_qwen_biases_qk_norms_and_windows_run_fused_as_the_per_op_forward(spec: ArchSpec, kv_dtype: str) -> None:
-    """Qwen 2's q/k/v biases and Qwen 3's per-head q/k RMSNorms (random, far from zero and one),
-    and a sliding window on every layer (Mistral, Phi-3; 5 tokens, shorter than the contexts) in
-    the fused step: prompt, then decode, as the per-op forward computes them."""
+def test_architecture_features_run_fused_as_the_per_op_forward(spec: ArchSpec, kv_dtype: str) -> None:
+    """Qwen 2's q/k/v biases and the per-head q/k RMSNorms (random, far from zero and one), a
+    sliding window on every layer (Mistral, Phi-3; 5 tokens, shorter than the contexts), Gemma's
+    sandwich norms and GELU, and Gemma 3's local layers (window, own RoPE base) between global
+    ones, in the fused step: prompt, then decode, as the per-op forward computes them."""
     config = dataclasses.replace(CONFIG, spec=spec)
     loaded = synthetic_model(config, "int4", group_size=32, seed=5)
     g = torch.Generator().manual_seed(5)
@@ -449,6 +455,9 @@ def test_qwen_biases_qk_norms_and_windows_run_fused_as_the_per_op_forward(spec: 
             weights[f"{prefix}{part}.bias"] = torch.randn(size, generator=g)
         for norm in ("q_norm", "k_norm"):
             weights[f"{prefix}{norm}.weight"] = 0.5 + torch.rand(config.head_dim, generator=g)
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            weights[f"model.layers.{i}.{norm}.weight"] = 0.5 + torch.rand(config.hidden_size, generator=g)
     fused = LlamaModel(config, weights)
     assert fused.fused_steps, "biases and q/k norms no longer keep a model off the fused step"
     per_op = LlamaModel(config, weights, dataclasses.replace(fused.backend, fused_step_max_tokens=0))

@@ -136,15 +136,16 @@ def test_transformers_4_config_reads_the_same(name: str, tmp_path: Path) -> None
     assert ModelConfig.from_dict(json.loads(json.dumps(v5.to_dict()))) == v5
 
 
-def test_fused_cpu_step_runs_rope_scaling_biases_qk_norms_windows_and_falls_back_for_the_rest(
+def test_fused_cpu_step_runs_every_architecture_but_soft_capped_attention(
         fixtures: dict[str, Fixture], folder: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The C++ step is Llama's layer with Qwen's q/k/v biases and q/k norms and one sliding window
-    for every layer: with int4 weights a llama3 (scaled RoPE tables), a qwen2, a qwen3, a mistral
-    and a phi3 model (windows shorter than the prompt) run it and agree with the per-op forward; a
-    gemma2 model (sandwich norms, GELU, soft-caps) runs layer by layer, saying so once, by feature."""
+    """The C++ step is Llama's layer with q/k/v biases, q/k norms, sliding windows, local and
+    global layers, sandwich norms and GELU: with int4 weights a llama3 (scaled RoPE tables), a
+    qwen2, a qwen3, a mistral, a phi3 and a gemma3 model (windows shorter than the prompt) run it
+    and agree with the per-op forward; a gemma2 model (soft-capped attention) runs layer by layer,
+    saying so once, by feature."""
     if not cpu_ops.available():
         pytest.skip("the C++ ops do not build here")
-    for name in ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2"):
+    for name in ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma3", "gemma2"):
         fixture = _fixture(fixtures, name, folder)
         config, weights = load_hf_folder(fixture.folder)
         weights = {k: quantize_int4(w, 32) if w.dim() == 2 and "embed" not in k else w for k, w in weights.items()}
@@ -160,8 +161,7 @@ def test_fused_cpu_step_runs_rope_scaling_biases_qk_norms_windows_and_falls_back
         per_op = model.forward(token_ids, batch, runner.pool, observe=lambda *_: None)
         assert float((fused - per_op).norm() / per_op.norm()) < 1e-3, name
     messages = [r.getMessage() for r in caplog.records if "layer by layer" in r.getMessage()]
-    assert len(messages) == 1 and messages[0].startswith("gemma2: steps run layer by layer (the fused C++ step "
-                                                         "lacks sandwich_norms"), messages
+    assert messages == ["gemma2: steps run layer by layer (the fused C++ step lacks attn_softcap)"]
 
 
 def _hf_config(tmp_path: Path, name: str, **changes: object) -> Path:
