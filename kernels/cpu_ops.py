@@ -170,7 +170,7 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   a8_bf16_rows: torch.Tensor | None = None, qkv_biases: Sequence[torch.Tensor] = (),
                   qk_norms: Sequence[torch.Tensor] = (), out_norms: Sequence[torch.Tensor] = (), window: int = 0,
                   global_every: int = 0, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  activation: str = "silu") -> None:
+                  activation: str = "silu", attn_softcap: float = 0.0) -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
@@ -188,13 +188,14 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
     layers (a query attends to itself and the window - 1 tokens before it; 0: none), every layer
     local unless ``global_every`` makes each global_every-th global; ``local_rope``: local layers'
     own (cos, signed_sin) tables (Gemma 3); ``activation``: "silu" or "gelu_tanh";
+    ``attn_softcap``: scores -> cap * tanh(scores / cap) before the softmax (Gemma 2; 0: none);
     ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
                                           key_centres, list(a8_wsums), a8_isa, a8_terms, a8_bf16_rows,
                                           list(qkv_biases), list(qk_norms), list(out_norms), window,
-                                          global_every, *(local_rope or (None, None)), activation)
+                                          global_every, *(local_rope or (None, None)), activation, attn_softcap)
 
 
 FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prepare_int8 or cpu_a8 weight

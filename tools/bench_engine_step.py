@@ -56,7 +56,7 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
     runtime = RuntimeConfig(num_kv_blocks=64 * streams, cpu_activations=cpu_activations)
     config = EngineConfig(str(default_model_path()), runtime, SchedulerConfig())
     async with Engine(config) as engine:
-        if per_op:  # what an architecture the fused C++ step does not cover runs (issue #21's fallback)
+        if per_op:  # what steps the fused C++ step does not take run (over 128 tokens, observers)
             model = engine._runner.model
             model.backend = dataclasses.replace(model.backend, fused_step_max_tokens=0)
         forward: list[float] = []
@@ -142,7 +142,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--per-op", action="store_true",
-                        help="step: the per-op forward instead of the fused C++ step (the fallback's cost)")
+                        help="step: the per-op forward instead of the fused C++ step (its cost)")
     parser.add_argument("--streams", type=int, default=1, help="step: concurrent requests (default: 1)")
     parser.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations)
     args = parser.parse_args()

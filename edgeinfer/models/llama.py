@@ -63,7 +63,8 @@ HEAD_REFINE_ROWS = 64
 # KV formats the fused step writes and reads (K and V in one format; mixed ones take the per-op
 # forward).
 FUSED_KV_DTYPES = (*PLAIN_DTYPES, "int8", "int4")
-# ArchSpec features the Triton and C++ attention kernels lack: such layers attend in torch.
+# ArchSpec features the Triton attention kernels and the per-op forward's C++ one lack: such
+# layers attend in torch there (the fused C++ step runs them itself).
 ATTENTION_KERNELS_LACK = ("attn_softcap", "sliding_window")
 
 
@@ -124,8 +125,9 @@ class LlamaLayers:
         self._act = F.silu if spec.activation == "silu" else lambda x: F.gelu(x, approximate="tanh")
         slow_attention = spec_features(spec, ATTENTION_KERNELS_LACK)
         if slow_attention and (backend.triton or backend.cpu_ops):
-            log.info("%s: attention with %s runs in torch (the %s attention kernels lack it)", c.architecture,
-                     " and ".join(slow_attention), "Triton" if backend.triton else "C++")
+            log.info("%s: attention with %s runs in torch (the %s lack it)", c.architecture,
+                     " and ".join(slow_attention), "Triton attention kernels" if backend.triton else
+                     "per-op forward's C++ attention, for steps the fused step does not take,")
         self._kv_rotation = kv_rotation(c.head_dim, self.device)  # for quantized KV formats
         self.key_centres: torch.Tensor | None = None  # (layers, Hkv, D), once measured
 
@@ -340,7 +342,7 @@ class LlamaModel(LlamaLayers):
             a8_terms=self.backend.a8_terms,
             a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
             out_norms=self._out_norms, window=c.spec.sliding_window or 0, global_every=c.spec.global_every,
-            local_rope=self._local_rope, activation=c.spec.activation,
+            local_rope=self._local_rope, activation=c.spec.activation, attn_softcap=c.spec.attn_softcap or 0.0,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 

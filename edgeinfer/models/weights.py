@@ -40,13 +40,6 @@ log = logging.getLogger(__name__)
 
 Weight = torch.Tensor | QuantizedTensor
 
-# ArchSpec features the fused C++ step (kernels/cpu/decode_layers.cpp: Llama's layer, with Qwen 2's
-# q/k/v biases, q/k norms, sliding windows on every layer or on Gemma's local ones with their own
-# RoPE, sandwich norms and GELU) lacks: a model with one runs the per-op forward. Only Gemma 2's
-# soft-capped attention is left. (RoPE scaling, norm offsets, fused checkpoint weights, the
-# attention scale, the embedding scale and the final soft-cap all live outside that step.)
-FUSED_STEP_LACKS = ("attn_softcap",)
-
 
 def spec_features(spec: ArchSpec, names: Sequence[str]) -> list[str]:
     """Which of the ArchSpec fields ``names`` differ from Llama's."""
@@ -124,12 +117,11 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
         layers.append(prepare_layer(lambda name: get(p + name), backend, spec))  # noqa: B023
         trim_heap()  # the layer's staging copies, before the next layer's land between them
     norm = _dense(get("model.norm.weight"), device) + spec.norm_offset
-    fused = None
-    lacking = spec_features(spec, FUSED_STEP_LACKS)
-    if not lacking:
-        fused = _fused_step_weights(layers, backend)
-    elif backend.fused_step_max_tokens:
-        log.info("%s: steps run layer by layer (the fused C++ step lacks %s)", config.architecture, ", ".join(lacking))
+    # Every ArchSpec runs in the fused C++ step (kernels/cpu/decode_layers.cpp: Llama's layer with
+    # q/k/v biases, q/k norms, windows on every layer or on Gemma's local ones with their own RoPE,
+    # sandwich norms, GELU and soft-capped attention; RoPE scaling, norm offsets, fused checkpoint
+    # weights, the attention scale, the embedding scale and the final soft-cap live outside it).
+    fused = _fused_step_weights(layers, backend)
     fused_weights, fused_wsums = fused if fused is not None else (None, [])
     return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused_weights, fused_wsums)
 

@@ -124,8 +124,19 @@ struct KvScales {
 };
 
 // scores[0, len) -> exp(score - max) in place; returns the sum, the max in *m_out. `scores` must
-// hold len + 8 floats.
-float softmax_numerators(float* scores, int64_t len, float* m_out) {
+// hold len + 8 floats. A `softcap` > 0 first takes each score to softcap * tanh(score / softcap)
+// (Gemma 2), tanh(a) as 2 sigmoid(2a) - 1.
+float softmax_numerators(float* scores, int64_t len, float* m_out, float softcap = 0.0f) {
+  if (softcap > 0.0f) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), cap = _mm256_set1_ps(softcap);
+    const __m256 twice_inv = _mm256_set1_ps(2.0f / softcap);
+    for (int64_t t = 0; t < len; t += 8) {  // the padding past len is computed and never read
+      const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(scores + t), twice_inv);
+      const __m256 e = exp_nonpositive(_mm256_or_ps(a, sign));  // exp(-|a|)
+      const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, a), _mm256_add_ps(one, e));
+      _mm256_storeu_ps(scores + t, _mm256_mul_ps(cap, _mm256_fmsub_ps(_mm256_set1_ps(2.0f), sig, one)));
+    }
+  }
   int64_t t = 0;
   __m256 mv = _mm256_set1_ps(scores[0]);
   for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(scores + t));
@@ -160,7 +171,7 @@ float softmax_numerators(float* scores, int64_t len, float* m_out) {
 template <typename T>
 void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache, const int64_t* rows,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
-                  float* o, const KvScales& sc) {
+                  float* o, const KvScales& sc, float softcap) {
   const int64_t stride = len + 8;
   head_passes(g, [&](int64_t j0, auto heads) {
     key_scores<decltype(heads)::value>(q + j0 * head_dim, k_cache, rows, len, head_dim, scale, scores + j0 * stride,
@@ -171,7 +182,7 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
     if (sc.k_scale != nullptr) {
       for (int64_t t = 0; t < len; ++t) sj[t] *= static_cast<float>(sc.k_scale[srows[t]]);
     }
-    l[j] = softmax_numerators(sj, len, m + j);
+    l[j] = softmax_numerators(sj, len, m + j, softcap);
     if (sc.v_scale != nullptr) {
       for (int64_t t = 0; t < len; ++t) sj[t] *= static_cast<float>(sc.v_scale[srows[t]]);
     }
@@ -201,7 +212,7 @@ inline __m256 unpack8_int4(const uint8_t* p) {
 template <int G>
 void attend_int4(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* srows, int64_t len,
                  int64_t head_dim, float scale, float* scores, int64_t stride, float* m, float* l, float* o,
-                 const KvScales& sc) {
+                 const KvScales& sc, float softcap) {
   const int64_t groups = head_dim / 32, row_bytes = head_dim / 2;
   float q_sum[G][16], zero_sum[G][16] = {};  // head_dim <= 512
   for (int j = 0; j < G; ++j) {
@@ -227,7 +238,7 @@ void attend_int4(const float* q, const uint8_t* k_cache, const uint8_t* v_cache,
     }
     for (int j = 0; j < G; ++j) scores[j * stride + t] = total[j] * scale;
   }
-  for (int j = 0; j < G; ++j) l[j] = softmax_numerators(scores + j * stride, len, m + j);
+  for (int j = 0; j < G; ++j) l[j] = softmax_numerators(scores + j * stride, len, m + j, softcap);
   std::fill_n(o, G * head_dim, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const uint8_t* value = v_cache + srows[t] * row_bytes;
@@ -259,7 +270,7 @@ constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not wo
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, float scale, float* out, const KvScales& sc, int64_t window) {
+            int64_t block_size, float scale, float* out, const KvScales& sc, int64_t window, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
@@ -324,12 +335,12 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
             attend_int4<decltype(heads)::value>(qh + j0 * head_dim, k_cache + h * head_dim / 2,
                                                 v_cache + h * head_dim / 2, srows.data(), t_end - t_begin, head_dim,
                                                 scale, scores.data() + j0 * stride, stride, m + j0, l + j0,
-                                                o + j0 * head_dim, hs);
+                                                o + j0 * head_dim, hs, softcap);
           });
         } else {
           scores.resize(group * (t_end - t_begin + 8));
           attend_group(qh, group, k_cache + h * head_dim, v_cache + h * head_dim, rows.data(), srows.data(),
-                       t_end - t_begin, head_dim, scale, scores.data(), m, l, o, hs);
+                       t_end - t_begin, head_dim, scale, scores.data(), m, l, o, hs, softcap);
         }
       }
     }
@@ -363,13 +374,13 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
 void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
                 const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero, const int32_t* tables,
                 int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale,
-                float* out, int64_t window = 0) {
+                float* out, int64_t window = 0, float softcap = 0.0f) {
   const bool int4 = k_cache.scalar_type() == at::kByte;
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t head_dim = int4 ? 2 * k_cache.size(3) : k_cache.size(3);
   const auto run = [&](auto* k, auto* v, const KvScales& sc = {}) {
     decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, sc,
-           window);
+           window, softcap);
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
@@ -423,9 +434,9 @@ void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, 
                                      const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& k_zero,
                                      const at::Tensor& v_zero, const int32_t* tables, int64_t table_stride,
                                      const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale, float* out,
-                                     int64_t window) {
+                                     int64_t window, float softcap) {
   decode_any(q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, tables, table_stride, lens, num_seqs, num_heads,
-             scale, out, window);
+             scale, out, window, softcap);
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

@@ -9,7 +9,7 @@
 // Per layer: RMSNorm, QKV (int4/int8 GEMM; + Qwen 2's biases; per-head q/k RMSNorms), RoPE (a
 // local layer's own tables where given), the K/V write into the paged pool, attention (within
 // the sliding window on local layers: every layer of Mistral and Phi-3, Gemma's between its
-// global ones), the output projection (Gemma: normed) and residual, RMSNorm, gate/up, SiLU or
+// global ones; scores soft-capped for Gemma 2), the output projection (Gemma: normed) and residual, RMSNorm, gate/up, SiLU or
 // GELU-tanh * up, down (Gemma: normed) and residual: the same arithmetic as the per-op path
 // through the same kernels (ops.h), without ~25 Python calls and torch dispatches per layer
 // (~3-5 us each, 30 layers, every token).
@@ -198,7 +198,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
                    at::TensorList qk_norms, at::TensorList out_norms, int64_t window, int64_t global_every,
                    const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
-                   const std::string& activation) {
+                   const std::string& activation, double attn_softcap) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -260,7 +260,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   const int64_t qkv_size = q_size + 2 * kv_size;
   // Qwen 2's q/k/v biases (added to the projection), q/k norms (RMSNorm over each head's q and
   // k, before RoPE), Gemma's output norms, windows and activation, as the per-op forward applies them.
-  TORCH_CHECK(window >= 0 && global_every >= 0, "window and global_every must be >= 0 (0: none)");
+  TORCH_CHECK(window >= 0 && global_every >= 0 && attn_softcap >= 0,
+              "window, global_every and attn_softcap must be >= 0 (0: none)");
   TORCH_CHECK(activation == "silu" || activation == "gelu_tanh", "activation must be silu or gelu_tanh, got ",
               activation);
   TORCH_CHECK(out_norms.empty() || static_cast<int64_t>(out_norms.size()) == 2 * layers,
@@ -410,7 +411,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
                                     quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none, int4 ? v_zeros[l] : none,
                                     tables.data_ptr<int32_t>(), tables.size(1), len, m, num_heads,
-                                    static_cast<float>(scale), attn.data(), local ? window : 0);
+                                    static_cast<float>(scale), attn.data(), local ? window : 0,
+                                    static_cast<float>(attn_softcap));
     if (quantized) {
       at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
@@ -445,7 +447,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
         "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1, "
         "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor[] out_norms, int window=0, int global_every=0, "
-        "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\") -> ()");
+        "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\", float attn_softcap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

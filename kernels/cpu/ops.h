@@ -37,6 +37,6 @@ void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t hi
 void decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
                       const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero,
                       const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
-                      int64_t num_heads, float scale, float* out, int64_t window = 0);
+                      int64_t num_heads, float scale, float* out, int64_t window = 0, float softcap = 0.0f);
 
 }  // namespace edgeinfer_cpu

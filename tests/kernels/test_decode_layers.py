@@ -434,16 +434,23 @@ GEMMA3 = ArchSpec(qk_norm=True, norm_offset=1.0, sandwich_norms=True, activation
                   global_every=2, local_rope_theta=1000.0)
 
 
+GEMMA2 = ArchSpec(norm_offset=1.0, sandwich_norms=True, activation="gelu_tanh", sliding_window=5, global_every=2,
+                  attn_softcap=2.0)
+
+
 @pytest.mark.parametrize("spec", [ArchSpec(qkv_bias=True), ArchSpec(qk_norm=True),
                                   ArchSpec(qkv_bias=True, qk_norm=True), ArchSpec(sliding_window=5),
-                                  ArchSpec(sandwich_norms=True, activation="gelu_tanh"), GEMMA3],
-                         ids=["qwen2-biases", "qwen3-qk-norms", "both", "window", "sandwich-gelu", "gemma3"])
+                                  ArchSpec(sandwich_norms=True, activation="gelu_tanh"), GEMMA3,
+                                  ArchSpec(attn_softcap=2.0), GEMMA2],
+                         ids=["qwen2-biases", "qwen3-qk-norms", "both", "window", "sandwich-gelu", "gemma3",
+                              "softcap", "gemma2"])
 @pytest.mark.parametrize("kv_dtype", ["fp16", "int8"])
 def test_architecture_features_run_fused_as_the_per_op_forward(spec: ArchSpec, kv_dtype: str) -> None:
     """Qwen 2's q/k/v biases and the per-head q/k RMSNorms (random, far from zero and one), a
     sliding window on every layer (Mistral, Phi-3; 5 tokens, shorter than the contexts), Gemma's
-    sandwich norms and GELU, and Gemma 3's local layers (window, own RoPE base) between global
-    ones, in the fused step: prompt, then decode, as the per-op forward computes them."""
+    sandwich norms and GELU, Gemma 3's local layers (window, own RoPE base) between global ones,
+    and Gemma 2's soft-capped attention scores (a cap of 2, low enough to bite), in the fused
+    step: prompt, then decode, as the per-op forward computes them."""
     config = dataclasses.replace(CONFIG, spec=spec)
     loaded = synthetic_model(config, "int4", group_size=32, seed=5)
     g = torch.Generator().manual_seed(5)
