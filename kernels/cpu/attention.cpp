@@ -297,7 +297,8 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
       const int64_t s = unit / parts, part = unit % parts;
       // A sliding window (Mistral, Phi-3) keeps the last `window` tokens: the query and window - 1 before it.
       const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
-      const int64_t t_begin = first + (len - first) * part / parts, t_end = first + (len - first) * (part + 1) / parts;
+      const int64_t span = len - first;
+      const int64_t t_begin = first + span * part / parts, t_end = first + span * (part + 1) / parts;
       if (t_end > t_begin) {
         rows.resize(t_end - t_begin);
         for (int64_t t = t_begin; t < t_end;) {  // block by block: no division per token

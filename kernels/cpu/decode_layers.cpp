@@ -9,10 +9,10 @@
 // Per layer: RMSNorm, QKV (int4/int8 GEMM; + Qwen 2's biases; per-head q/k RMSNorms), RoPE (a
 // local layer's own tables where given), the K/V write into the paged pool, attention (within
 // the sliding window on local layers: every layer of Mistral and Phi-3, Gemma's between its
-// global ones; scores soft-capped for Gemma 2), the output projection (Gemma: normed) and residual, RMSNorm, gate/up, SiLU or
-// GELU-tanh * up, down (Gemma: normed) and residual: the same arithmetic as the per-op path
-// through the same kernels (ops.h), without ~25 Python calls and torch dispatches per layer
-// (~3-5 us each, 30 layers, every token).
+// global ones; scores soft-capped for Gemma 2), the output projection (Gemma: normed) and
+// residual, RMSNorm, gate/up, SiLU or GELU-tanh * up, down (Gemma: normed) and residual: the same
+// arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
+// torch dispatches per layer (~3-5 us each, 30 layers, every token).
 //
 // h (M, hidden) fp32 is updated in place: M tokens at `positions`, written to pool slots
 // `slot_mapping`; token t attends over the first context_lens[t] slots of its sequence through
@@ -65,10 +65,9 @@ void write_kv(const float* src, int64_t count, at::Tensor& cache, int64_t slot) 
   }
 }
 
-// out = silu(gate) * up over rows of [gate | up]; silu(g) = g * sigmoid(g) with the exp of -|g|
-// only (exp_nonpositive), relative error ~2e-7 like the softmax's.
-// act(gate) * up per row, act SiLU (g * sigmoid(g)) or, with kGelu, GELU's tanh form (Gemma):
-// 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3).
+// out = act(gate) * up over rows of [gate | up]: SiLU, g * sigmoid(g), or with kGelu GELU's tanh
+// form (Gemma), 0.5 g (1 + tanh(z)) = g * sigmoid(2 z) with z = sqrt(2 / pi) (g + 0.044715 g^3);
+// the sigmoid from the exp of -|a| only (exp_nonpositive), relative error ~2e-7 like the softmax's.
 template <bool kGelu>
 void act_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
   constexpr float kC = 0.7978845608028654f, kCube = 0.044715f;
@@ -368,7 +367,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     const float* sin_l = (local && local_sin.has_value() ? *local_sin : sin_table).data_ptr<float>();
     edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
     linear(w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
-    // Tokens (and below, SiLU rows) in parallel; with RoPE vectorized, a 16-sequence step spends
+    // Tokens (and below, activation rows) in parallel; with RoPE vectorized, a 16-sequence step spends
     // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
     at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
