@@ -81,6 +81,8 @@ def test_share_keeps_the_configured_threads_without_proc_stat() -> None:
                     reason="needs /proc/stat and at most 8 cores to fill")
 def test_busy_loops_on_every_core_leave_one_thread_and_their_end_gives_the_cores_back() -> None:
     """Real busy processes, one per core this process may use, measured through /proc/stat."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to give up")
     cores = len(os.sched_getaffinity(0))
     calls: list[int] = []
     share = CpuShare(set_threads=calls.append, get_threads=lambda: cores)
@@ -93,9 +95,13 @@ def test_busy_loops_on_every_core_leave_one_thread_and_their_end_gives_the_cores
         for loop in loops:
             loop.kill()
             loop.wait()
-    time.sleep(0.5)
-    assert share.adjust() == cores
-    assert calls == ([1, cores] if cores > 1 else [])
+    # Back to every core once a window passes without them (polled: other work on a shared
+    # machine, a compiler or another test run, may hold a core for a while).
+    deadline = time.monotonic() + 10.0
+    while share.adjust() != cores and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert share.threads == cores
+    assert calls[0] == 1 and calls[-1] == cores
 
 
 @pytest.mark.skipif(cpu_share.read_busy_cpu_seconds() is None or not 1 < len(os.sched_getaffinity(0)) <= 8,
