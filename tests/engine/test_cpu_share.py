@@ -77,12 +77,10 @@ def test_share_keeps_the_configured_threads_without_proc_stat() -> None:
     assert [share.adjust() for _ in range(3)] == [2, 2, 2] and calls == []
 
 
-@pytest.mark.skipif(cpu_share.read_busy_cpu_seconds() is None or len(os.sched_getaffinity(0)) > 8,
-                    reason="needs /proc/stat and at most 8 cores to fill")
+@pytest.mark.skipif(cpu_share.read_busy_cpu_seconds() is None or not 1 < len(os.sched_getaffinity(0)) <= 8,
+                    reason="needs /proc/stat and 2 to 8 cores to fill")
 def test_busy_loops_on_every_core_leave_one_thread_and_their_end_gives_the_cores_back() -> None:
     """Real busy processes, one per core this process may use, measured through /proc/stat."""
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one core: nothing to give up")
     cores = len(os.sched_getaffinity(0))
     calls: list[int] = []
     share = CpuShare(set_threads=calls.append, get_threads=lambda: cores)
