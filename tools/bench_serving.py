@@ -104,7 +104,7 @@ async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespac
 async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float]]:
     runtime = RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                             cpu_activations=args.cpu_activations, num_threads=args.threads,
-                            kv_memory_bytes=args.kv_memory_mib << 20)
+                            kv_memory_bytes=args.kv_memory_mib << 20, share_cpu=not args.fixed_threads)
     scheduler = SchedulerConfig(max_num_seqs=max(args.streams),
                                 max_num_batched_tokens=None if args.token_budget is None
                                 else max(args.token_budget, max(args.streams)),
@@ -266,6 +266,8 @@ def main() -> None:
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES), help="edgeinfer KV format")
     p.add_argument("--kv-memory-mib", type=int, default=1024, help="engine: KV pool MiB (default: 1024)")
     p.add_argument("--threads", type=int, default=None, help="threads of every target (default: one per core)")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="engine: keep the threads while other programs keep cores busy (RuntimeConfig.share_cpu)")
     p.add_argument("--json", action="store_true", help="print every run's rows as JSON too")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
