@@ -35,6 +35,7 @@ ISAS = ("amx", "avx512vnni", "avxvnni", "avx2")  # best first
 BF16_ISA = "amx_bf16"  # the bf16-activation kernel (A8Weight.bf16), not an int8 choice
 COLS = 16  # output columns per weight tile (a8_gemm.h kA8Cols)
 UNIT = 32  # activation values per scale, at most (a8_gemm.h kA8Unit; int8 groups of 16: 16)
+SUPER_BLOCK = 256  # two-level scales: values of K per super-scale (a8_gemm.h kA8SuperBlock)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ class A8Weight:
     """A weight in the a8 kernels' tiles (see kernels/cpu/a8_gemm.h for the byte order)."""
 
     codes: torch.Tensor  # int4: uint8 (tiles, K // 32, 4, 64); int8: int8 (tiles, K // 4, 64)
-    scales: torch.Tensor  # fp16 or fp32 as the checkpoint's (bf16: fp32) (tiles, groups, 16)
+    # fp16 or fp32 as the checkpoint's (bf16: fp32) (tiles, groups, 16); or, for a K-quant's
+    # SuperScales, uint8 (tiles, K // 256, 160): per super-block 16 fp16 super-scales, 8 x 16 codes
+    scales: torch.Tensor
     mins: torch.Tensor | None  # like the scales; int4 always
     wsum: torch.Tensor | None  # int8: int16 (tiles, K // min(group, 32), 16), the unit's code sum
     shape: tuple[int, int]  # (N, K)
@@ -96,6 +99,18 @@ def prepare_a8(weight: QuantizedTensor, terms: int = 1, bf16: bool = False) -> A
     def per_tile(t: torch.Tensor) -> torch.Tensor:  # (N, groups) -> (tiles, groups, 16)
         return F.pad(t.to(dtype), (0, 0, 0, pad)).view(tiles, COLS, k // group).transpose(1, 2).contiguous()
 
+    levels = weight.super_scales
+    if int4 and group == 32 and levels is not None and k % levels.block == 0 and levels.block == SUPER_BLOCK:
+        # A K-quant's two levels as its file has them (a8_gemm.h): per tile and super-block the 16
+        # columns' fp16 super-scale, then per group their codes; 18.5 bytes per 32 weights, not 20.
+        def two_level(d: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+            blocks = k // SUPER_BLOCK
+            d = F.pad(d.half(), (0, 0, 0, pad)).view(tiles, COLS, blocks).transpose(1, 2).contiguous()
+            codes = F.pad(codes, (0, 0, 0, pad)).view(tiles, COLS, blocks, SUPER_BLOCK // 32).permute(0, 2, 3, 1)
+            return torch.cat((d.view(torch.uint8), codes.reshape(tiles, blocks, -1)), dim=-1).contiguous()
+
+        return A8Weight(codes, two_level(levels.d, levels.scale_codes), two_level(levels.neg_dmin, levels.min_codes),
+                        None, (n, k), group, int4, terms, bf16)
     mins = per_tile(weight.mins) if weight.mins is not None else None
     wsum = None
     if not int4:

@@ -65,7 +65,8 @@ def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, ter
     min(group, 32) values of a row of x becomes int8 codes round(x / d), d = absmax / 127 (round
     half to even); each unit's integer dot with the weight codes is scaled by d and its group's
     weight scale, and a weight's min term uses the exact group sums of x. With ``terms`` 2 the
-    rounding residual x - d * codes is rounded the same way and its dots added (no min term)."""
+    rounding residual x - d * codes is rounded the same way and its dots added (no min term).
+    A weight with SuperScales runs with their exact products (as the kernels read them)."""
     if weight.format not in ("int4", "int8"):
         raise ValueError(f"int8_activation_gemm_reference needs an int4 or int8 weight, got {weight.format!r}")
     n, k = weight.shape
@@ -73,7 +74,8 @@ def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, ter
     unit = min(group, 32)
     x2 = x.float().reshape(-1, k)
     codes = unpack_int4(weight.qweight) if weight.format == "int4" else weight.qweight
-    scales = weight.scales.double().repeat_interleave(group // unit, dim=1)  # (N, K / U)
+    weight_scales, weight_mins = _kernel_scales(weight)
+    scales = weight_scales.double().repeat_interleave(group // unit, dim=1)  # (N, K / U)
     y = torch.zeros(x2.shape[0], n, dtype=torch.float64)
     term = x2
     for _ in range(terms):
@@ -84,9 +86,19 @@ def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, ter
         dots = torch.einsum("mui,nui->mnu", xq.double(), codes.double().view(n, k // unit, unit))
         y = y + (dots * scales * d.double().squeeze(-1)[:, None, :]).sum(-1)
         term = (xu - d * xq).view(-1, k)  # fp32, as the kernel forms the residual
-    if weight.mins is not None:
-        y = y + x2.double().view(-1, k // group, group).sum(-1) @ weight.mins.double().t()
+    if weight_mins is not None:
+        y = y + x2.double().view(-1, k // group, group).sum(-1) @ weight_mins.double().t()
     return y.float()
+
+
+def _kernel_scales(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scales and mins kernels.cpu_a8 computes with: a K-quant's exact two-level products
+    where the weight has them (prepare_a8 keeps the two levels), else the weight's own."""
+    levels = weight.super_scales
+    if levels is not None and weight.format == "int4" and weight.group_size == 32 and levels.block == 256 and \
+            weight.shape[1] % levels.block == 0:
+        return levels.products()
+    return weight.scales, weight.mins
 
 
 def bf16_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
@@ -99,9 +111,10 @@ def bf16_gemm_reference(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tenso
     n, k = weight.shape
     group = weight.group_size
     codes = (unpack_int4(weight.qweight) if weight.format == "int4" else weight.qweight).double()
-    w = codes.view(n, k // group, group) * weight.scales.float().double()[..., None]
-    if weight.mins is not None:
-        w = w + weight.mins.float().double()[..., None]
+    scales, mins = _kernel_scales(weight)
+    w = codes.view(n, k // group, group) * scales.float().double()[..., None]
+    if mins is not None:
+        w = w + mins.float().double()[..., None]
     w_bf16 = w.view(n, k).float().bfloat16().double()
     x_bf16 = x.float().reshape(-1, k).bfloat16().double()
     return (x_bf16 @ w_bf16.t()).float()

@@ -28,6 +28,28 @@ GROUP_SIZES = (32, 64, 128)  # what the conversion tool quantizes to; GGUF files
 
 
 @dataclass(frozen=True)
+class SuperScales:
+    """An int4 weight's scales and mins as a K-quant file holds them (GGUF Q4_K): per super-block of
+    ``block`` values of K an fp16 scale of scales ``d`` and of mins ``neg_dmin`` (the file's dmin,
+    negated), per group an unsigned code. The weight's ``scales`` are d * scale_codes and its
+    ``mins`` neg_dmin * min_codes rounded to fp16; these products are exact in fp32. Kernels that
+    read the two levels (kernels.cpu_a8) hold 18.5 bytes per 32 weights against the file's 18,
+    where the fp16 products take 20."""
+
+    d: torch.Tensor  # fp16 (N, K // block)
+    scale_codes: torch.Tensor  # uint8 (N, K // group)
+    neg_dmin: torch.Tensor  # fp16 (N, K // block)
+    min_codes: torch.Tensor  # uint8 (N, K // group)
+    block: int = 256
+
+    def products(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, mins) in fp32, exact: (N, K // group) each."""
+        per_block = self.scale_codes.shape[1] // self.d.shape[1]
+        expand = lambda t: t.float().repeat_interleave(per_block, dim=1)  # noqa: E731
+        return expand(self.d) * self.scale_codes.float(), expand(self.neg_dmin) * self.min_codes.float()
+
+
+@dataclass(frozen=True)
 class QuantizedTensor:
     """A quantized (N, K) weight. ``shape`` is the logical (dequantized) shape."""
 
@@ -37,6 +59,8 @@ class QuantizedTensor:
     qweight: torch.Tensor  # int8 (N, K) | uint8 (N, K // 2) | nf4: bitsandbytes packed bytes
     scales: torch.Tensor  # (N, K // group_size); nf4: absmax as bitsandbytes stores it
     mins: torch.Tensor | None = None  # (N, K // group_size): int4 always, int8 optionally
+    # int4 from a K-quant: the two levels the scales and mins are made of (kernels.cpu_a8 reads them)
+    super_scales: SuperScales | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -191,6 +215,11 @@ def concat_rows(weights: list[QuantizedTensor]) -> QuantizedTensor:
         if mismatch:
             raise ValueError(f"concat_rows: weight {i} does not match weight 0: {', '.join(mismatch)}")
     mins = None if first.mins is None else torch.cat([w.mins for w in weights])
+    levels = [w.super_scales for w in weights]
+    super_scales = None
+    if all(s is not None for s in levels) and len({s.block for s in levels}) == 1:  # type: ignore[union-attr]
+        super_scales = SuperScales(*(torch.cat([getattr(s, name) for s in levels])
+                                     for name in ("d", "scale_codes", "neg_dmin", "min_codes")), block=levels[0].block)
     return QuantizedTensor(
         first.format,
         (sum(w.shape[0] for w in weights), first.shape[1]),
@@ -198,6 +227,7 @@ def concat_rows(weights: list[QuantizedTensor]) -> QuantizedTensor:
         torch.cat([w.qweight for w in weights]),
         torch.cat([w.scales for w in weights]),
         mins,
+        super_scales,
     )
 
 

@@ -9,14 +9,16 @@ the engine format whose kernels run it:
 | Q8_0 | int8 g32 | bit-exact |
 | Q5_0 | int8 g32, codes q - 16 | bit-exact |
 | Q5_1 | int8 g32 with mins | bit-exact |
-| Q4_K | int4 g32, scale d*sc, min -dmin*m | products rounded to fp16 |
+| Q4_K | int4 g32, scale d*sc, min -dmin*m | products rounded to fp16; the two levels kept too (SuperScales) |
 | Q5_K | int8 g32 with mins, the same products | products rounded to fp16 |
 | Q6_K | int8 g16, codes q - 32, scale d*sc | product rounded to fp16 |
 
 K-quant products are computed in fp32 (exact: an fp16 times a 6- or 8-bit integer) and stored
 fp16, so a weight's error is at most 2^-11 * (|code * scale| + |min|) (fp16 normals), which is
 what tests check against gguf.quants.dequantize. fp16 products cost 20 bytes per 32 Q4_K
-weights against the file's 18 (1.11x); fp32 ones would cost 24.
+weights against the file's 18 (1.11x); fp32 ones would cost 24. Q4_K's two levels (d, dmin and
+the 6-bit codes) also ride along as the weight's SuperScales, which the int8-activation CPU
+kernels read as they are (18.5 bytes per 32, exact); other paths use the products.
 
 Layouts follow ggml-quants.c (dequantize_row_*); element order along K is the file's.
 """
@@ -28,7 +30,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from quant.formats import QuantizedTensor, quantize_int4
+from quant.formats import QuantizedTensor, SuperScales, quantize_int4
 from quant.gguf_reader import GGMLType, TensorInfo
 
 Q_BLOCK = 32  # elements per Q4_0/Q4_1/Q5_x/Q8_0 block, and per K-quant sub-block (Q6_K: 16)
@@ -120,11 +122,16 @@ def q4_k_blocks(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:
     """Q4_K -> int4 g32. Super-block: d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes
     of nibbles; w = d * sc * q - dmin * m per sub-block of 32."""
     blocks = raw.reshape(n, k // K_BLOCK, 144)
-    scale, mins = _k_products(_f16(blocks, 0), _f16(blocks, 2), *_k_scales_mins(blocks[..., 4:16]))
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scales_mins(blocks[..., 4:16])
+    scale, mins = _k_products(d, dmin, sc, mn)
     codes = _k_low_codes(blocks[..., 16:]).reshape(n, k)
+    levels = SuperScales(torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(sc.reshape(n, k // Q_BLOCK)),
+                         torch.from_numpy(np.ascontiguousarray(-dmin)), torch.from_numpy(mn.reshape(n, k // Q_BLOCK)),
+                         K_BLOCK)
     return QuantizedTensor("int4", (n, k), Q_BLOCK, _pack_int4(codes, n, k),
                            torch.from_numpy(scale.reshape(n, k // Q_BLOCK)),
-                           torch.from_numpy(mins.reshape(n, k // Q_BLOCK)))
+                           torch.from_numpy(mins.reshape(n, k // Q_BLOCK)), levels)
 
 
 def q5_k_blocks(raw: np.ndarray, n: int, k: int) -> QuantizedTensor:

@@ -163,7 +163,8 @@ void bf16_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Ten
   std::fill(xb + m * k, xb + padded * k, uint16_t{0});
   const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
                     mins.defined() ? mins.data_ptr() : nullptr, nullptr, reinterpret_cast<const uint8_t*>(xb),
-                    nullptr, nullptr, y, m, n, k, group, 1, int4, scales.scalar_type() == at::kHalf};
+                    nullptr, nullptr, y, m, n, k, group, 1, int4, scales.scalar_type() == at::kHalf,
+                    scales.scalar_type() == at::kByte};
   // The scratch holds a tile dequantized: K x 16 bf16.
   over_tiles((n + kA8Cols - 1) / kA8Cols, k * 2 * kA8Cols,
              [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx_bf16(p, t0, t1, scratch); });
@@ -196,12 +197,20 @@ int64_t edgeinfer_cpu::a8_group(const at::Tensor& codes, const at::Tensor& scale
   TORCH_CHECK((int4 || codes.scalar_type() == at::kChar) && codes.is_contiguous() && k % 32 == 0 &&
                   codes.numel() == tiles * kA8Cols * (int4 ? k / 2 : k),
               name, " must be prepared int4 (uint8) or int8 tiles of N=", n, " K=", k, " (K a multiple of 32)");
+  if (scales.scalar_type() == at::kByte) {  // two-level: int4 in groups of 32
+    TORCH_CHECK(int4 && k % kA8SuperBlock == 0 && scales.is_contiguous() &&
+                    scales.numel() == tiles * (k / kA8SuperBlock) * kA8SuperBytes,
+                name, " two-level scales need int4 tiles, K a multiple of ", kA8SuperBlock, " and (tiles, K / ",
+                kA8SuperBlock, ", ", kA8SuperBytes, ") bytes");
+    return 32;
+  }
   const int64_t groups = scales.numel() / (tiles * kA8Cols);
   const int64_t group = groups > 0 ? k / groups : 0;
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   group > 0 && groups * group == k && scales.numel() == tiles * groups * kA8Cols &&
                   (int4 ? group % 32 == 0 : group % 16 == 0),
-              name, " scales must be fp16 or fp32 (tiles, K / group, 16), group a multiple of 32 (int4) or 16 (int8)");
+              name, " scales must be fp16 or fp32 (tiles, K / group, 16), group a multiple of 32 (int4) or 16 (int8), "
+              "or two-level uint8");
   return group;
 }
 
@@ -269,7 +278,7 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
                     has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
                     reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, rows, n, k, group, terms, int4,
-                    scales.scalar_type() == at::kHalf};
+                    scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
   if (on_amx) {  // the scratch holds an int4 tile unpacked: K x 16 bytes
     over_tiles(tiles, k * kA8Cols, [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx(p, t0, t1, scratch); });
     return;

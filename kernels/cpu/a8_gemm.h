@@ -20,6 +20,9 @@ constexpr int64_t kA8Cols = 16;  // output columns per prepared weight tile (one
 // channels, whose row-wide scale flattens every other value), one per 32 46.83 (+0.52%), one
 // per 16 47.00 (+0.90%: finer, yet no better; at this level rounding noise decides).
 constexpr int64_t kA8Unit = 32;
+constexpr int64_t kA8SuperBlock = 256;  // two-level parameters: values of K per super-scale
+constexpr int64_t kA8SuperGroups = kA8SuperBlock / 32;
+constexpr int64_t kA8SuperBytes = kA8Cols * 2 + kA8SuperGroups * kA8Cols;
 
 // y (M, N) fp32 = x (M, K) @ W.T, x quantized to int8 per unit u of U = min(group, kA8Unit)
 // values (x ~= x_scale[r, u] * code):
@@ -31,7 +34,11 @@ constexpr int64_t kA8Unit = 32;
 //   int8: per 4 values of K, 64 bytes; byte 4c + j holds column c's signed code for k = 4q + j.
 // scales / mins: (tiles, groups, kA8Cols), fp16 or fp32 (`half`) as the checkpoint has them: a
 // GGUF's fp16 kept as fp16 is 20 rather than 24 bytes per 32 int4 weights, and a decode step of a
-// model larger than the caches reads every byte. wsum: (tiles, K / U, kA8Cols) int16, the unit's
+// model larger than the caches reads every byte. Or (`two_level`, int4 in groups of 32: GGUF
+// Q4_K as its file holds it) per tile and super-block of kA8SuperBlock values of K, kA8SuperBytes
+// bytes: the 16 columns' fp16 super-scale, then per group of the block the 16 columns' uint8
+// codes; a group's scale (or min) is super-scale x code, exact in fp32: 18.5 bytes per 32 weights
+// against the file's 18. wsum: (tiles, K / U, kA8Cols) int16, the unit's
 // code sum (int8 weights; |sum| <= 32 * 128).
 struct A8Problem {
   const uint8_t* codes;
@@ -45,7 +52,8 @@ struct A8Problem {
   int64_t m, n, k, group;
   int64_t terms;
   bool int4;
-  bool half;  // scales and mins are fp16
+  bool half;       // scales and mins are fp16
+  bool two_level;  // scales and mins are super-scales and codes (see above)
 };
 
 // Columns tiles [tile0, tile1) of y for all M rows.

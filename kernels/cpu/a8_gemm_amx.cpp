@@ -46,28 +46,25 @@ void configure(int64_t unit) {
   _tile_loadconfig(&c);
 }
 
-inline __m512 load_param(const A8Problem& p, const void* base, int64_t at) {
-  return p.half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)))
-                : _mm512_loadu_ps(static_cast<const float*>(base) + at);
-}
+#include "a8_zmm_param.inc"
 
 // A unit's int32 block (16 rows x 16 columns at c) into the rows' fp32 sums: where the unit
 // opens a group acc[r] += min * x_gsum[r, g], then acc[r] += c[r] * scale * x_scale[r, u].
 template <bool kMin>
 inline void rescale(const A8Problem& p, const int32_t* c, int64_t m0, int64_t u, int64_t units, int64_t g,
-                    int64_t groups, bool opens_group, int64_t param, __m512* acc) {
+                    int64_t groups, bool opens_group, int64_t t, __m512* acc) {
   // The mins' term first, as the VNNI kernels add it: the same fp32 sums in the same order, so
   // the ISAs agree bit for bit (one-term int8 activations turn a last-bit difference into
   // whole codes downstream: eval-ppl moved 46.83 -> 47.01 with the order swapped).
   if constexpr (kMin) {
     if (opens_group) {
-      const __m512 mn = load_param(p, p.mins, param + g * kA8Cols);
+      const __m512 mn = load_param(p, p.mins, t, g);
       const float* gs = p.x_gsum + m0 * groups + g;
 #pragma GCC unroll 16
       for (int r = 0; r < kBlock; ++r) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(gs[r * groups]), acc[r]);
     }
   }
-  const __m512 s = load_param(p, p.scales, param + g * kA8Cols);
+  const __m512 s = load_param(p, p.scales, t, g);
   const float* xs = p.x_scale + m0 * units + u;
 #pragma GCC unroll 16
   for (int r = 0; r < kBlock; ++r) {
@@ -112,7 +109,6 @@ void columns(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* unpacked
       b = unpacked;
     }
     const int64_t col = t * kA8Cols;
-    const int64_t param = t * groups * kA8Cols;
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t m0 = blk * kBlock;
       const uint8_t* a = p.x + m0 * k;
@@ -141,7 +137,7 @@ void columns(const A8Problem& p, int64_t tile0, int64_t tile1, uint8_t* unpacked
         }
         if (u >= 2) {
           const int64_t v = u - 2;
-          rescale<kMin>(p, c[v % 4], m0, v, units, v / units_per_group, groups, v % units_per_group == 0, param, acc);
+          rescale<kMin>(p, c[v % 4], m0, v, units, v / units_per_group, groups, v % units_per_group == 0, t, acc);
         }
       }
       store_block(p, m0, col, acc);

@@ -47,10 +47,7 @@ void configure() {
   _tile_loadconfig(&c);
 }
 
-inline __m512 load_param(const A8Problem& p, const void* base, int64_t at) {
-  return p.half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)))
-                : _mm512_loadu_ps(static_cast<const float*>(base) + at);
-}
+#include "a8_zmm_param.inc"
 
 // Per-column parameters for one group, each column's value twice: [c0, c0, c1, c1, ...] for
 // columns 0-7 (lo) and 8-15 (hi), matching a B row's [column][pair] order.
@@ -94,16 +91,15 @@ inline void dequantize64(__m512i codes, const Pairs& s, const Pairs& mn, uint8_t
 // The column tile t's weights, K x 16, as B rows into `b` (K / 2 rows of 64 bytes).
 template <bool kInt4, bool kMin>
 void dequantize_tile(const A8Problem& p, int64_t t, uint8_t* b) {
-  const int64_t k = p.k, group = p.group, groups = k / group;
-  const int64_t param = t * groups * kA8Cols;
+  const int64_t k = p.k, group = p.group;
   const uint8_t* codes = p.codes + t * k * kA8Cols / (kInt4 ? 2 : 1);
   Pairs s{}, mn{};
   int64_t loaded = -1;
   const auto params = [&](int64_t g) {
     if (g == loaded) return;
     loaded = g;
-    s = pairs(load_param(p, p.scales, param + g * kA8Cols));
-    if constexpr (kMin) mn = pairs(load_param(p, p.mins, param + g * kA8Cols));
+    s = pairs(load_param(p, p.scales, t, g));
+    if constexpr (kMin) mn = pairs(load_param(p, p.mins, t, g));
   };
   if constexpr (kInt4) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);

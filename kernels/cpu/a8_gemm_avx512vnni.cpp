@@ -31,6 +31,9 @@ inline Vf zero_f() { return _mm512_setzero_ps(); }
 inline Vf set1_f(float v) { return _mm512_set1_ps(v); }
 inline Vf load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline Vf load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vf load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 // -128 x the unit's int16 code sums: where the int8 kernel's dot products start (x is read + 128).
 inline Vi wsum_start(const int16_t* p) {
   const Vi sums = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

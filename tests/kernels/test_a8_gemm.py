@@ -13,7 +13,12 @@ import torch
 from a8_cases import a8_weight, a8_x
 
 from kernels import cpu_a8, cpu_ops
-from kernels.reference import int4_gemm_reference, int8_activation_gemm_reference, int8_gemm_reference
+from kernels.reference import (
+    bf16_gemm_reference,
+    int4_gemm_reference,
+    int8_activation_gemm_reference,
+    int8_gemm_reference,
+)
 from quant.formats import quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
@@ -89,6 +94,35 @@ def test_tiles_keep_fp16_params_and_run_fp32_ones(isa, fmt):
         assert a8.nbytes == tiles * 576 // 2 + 2 * 2 * tiles * 576 // 32
     else:
         assert a8.wsum.dtype == torch.int16 and a8.nbytes == tiles * 576 + 3 * 2 * tiles * 576 // 32
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("n,k", [(37, 512), (130, 1536)])
+@pytest.mark.parametrize("m,terms", [(1, 2), (5, 1), (19, 2), (40, 1)])
+def test_q4_k_runs_on_its_two_levels(isa, n, k, m, terms):
+    """A GGUF Q4_K weight keeps the file's two levels in the tiles (18.5 bytes per 32 weights, not
+    the fp16 products' 20) and computes with their exact products, not the fp16-rounded ones."""
+    from dataclasses import replace
+
+    from gguf_packing import random_blocks
+
+    from quant.gguf_blocks import DECODERS
+    from quant.gguf_reader import GGMLType
+
+    weight = DECODERS[GGMLType.Q4_K](random_blocks("Q4_K", n, k, seed=n + k), n, k)
+    a8 = cpu_a8.prepare_a8(weight, terms)
+    tiles = -(-n // cpu_a8.COLS)
+    assert a8.scales.dtype == a8.mins.dtype == torch.uint8
+    assert a8.nbytes == tiles * cpu_a8.COLS * k // 2 + 2 * tiles * (k // 256) * (2 * 16 + 8 * 16)
+    x = a8_x(m, k, seed=m)
+    out = cpu_a8.a8_linear(x, a8, isa)
+    reference = int8_activation_gemm_reference(x, weight, terms)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
+    products = int8_activation_gemm_reference(x, replace(weight, super_scales=None), terms)
+    assert float((products - reference).abs().max()) > 1e-4 * float(reference.abs().max())  # the test can tell
+    if cpu_a8.isa_supported("amx_bf16") and isa == cpu_a8.ISAS[0]:
+        bf16 = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight, bf16=True))
+        assert float((bf16 - bf16_gemm_reference(x, weight)).abs().max()) < 1e-4 * float(reference.abs().max())
 
 
 def test_isas_agree_and_the_default_is_the_best():

@@ -52,6 +52,22 @@ def test_k_quants_within_fp16_rounding_of_the_products(kind: str, shape: tuple[i
     assert torch.allclose(got, want, rtol=0, atol=float(want.abs().max()) * 2.0 ** -9)
 
 
+@pytest.mark.parametrize("shape", [(3, 256), (7, 1536)])
+def test_q4_k_two_levels_are_the_file_exactly(shape: tuple[int, int]) -> None:
+    n, k = shape
+    raw = random_blocks("Q4_K", n, k, seed=k - n)
+    qt = DECODERS[GGMLType.Q4_K](raw, n, k)
+    levels = qt.super_scales
+    assert levels is not None and levels.d.dtype == levels.neg_dmin.dtype == torch.float16
+    assert levels.scale_codes.dtype == levels.min_codes.dtype == torch.uint8
+    assert int(levels.scale_codes.max()) <= 63 and int(levels.min_codes.max()) <= 63
+    scales, mins = levels.products()
+    codes = torch.stack((qt.qweight & 0x0F, qt.qweight >> 4), dim=-1).reshape(n, k // 32, 32).float()
+    exact = (codes * scales[..., None] + mins[..., None]).reshape(n, k)
+    assert torch.equal(exact, _oracle("Q4_K", raw, n, k))  # the two levels: no rounding at all
+    assert torch.equal(scales.half(), qt.scales) and torch.equal(mins.half(), qt.mins)
+
+
 def test_requantized_types_report_their_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import gguf
 
