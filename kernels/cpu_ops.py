@@ -170,7 +170,7 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   a8_bf16_rows: torch.Tensor | None = None, qkv_biases: Sequence[torch.Tensor] = (),
                   qk_norms: Sequence[torch.Tensor] = (), out_norms: Sequence[torch.Tensor] = (), window: int = 0,
                   global_every: int = 0, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  activation: str = "silu", attn_softcap: float = 0.0) -> None:
+                  activation: str = "silu", attn_softcap: float = 0.0, v_weights: Sequence[torch.Tensor] = ()) -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
@@ -189,13 +189,16 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
     local unless ``global_every`` makes each global_every-th global; ``local_rope``: local layers'
     own (cos, signed_sin) tables (Gemma 3); ``activation``: "silu" or "gelu_tanh";
     ``attn_softcap``: scores -> cap * tanh(scores / cap) before the softmax (Gemma 2; 0: none);
+    ``v_weights``: none, or four per layer (``decode_layer_v``): V's own weight where it comes in
+    another format than Q's and K's, the layer's QKV weight then holding Q and K only;
     ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
                                           key_centres, list(a8_wsums), a8_isa, a8_terms, a8_bf16_rows,
                                           list(qkv_biases), list(qk_norms), list(out_norms), window,
-                                          global_every, *(local_rope or (None, None)), activation, attn_softcap)
+                                          global_every, *(local_rope or (None, None)), activation, attn_softcap,
+                                          list(v_weights))
 
 
 FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prepare_int8 or cpu_a8 weight
@@ -204,15 +207,26 @@ FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prep
 def decode_layer_weights(input_norm: torch.Tensor, qkv: FusedLinear, o: FusedLinear, post_norm: torch.Tensor,
                          gate_up: FusedLinear, down: FusedLinear) -> list[torch.Tensor]:
     """One layer's 14 tensors in decode_layers' order (an int8 weight without mins: an empty one)."""
-    def linear(w: FusedLinear) -> list[torch.Tensor]:
-        if isinstance(w, CpuInt4Weight):
-            return [w.packed, w.scales, w.mins]
-        if isinstance(w, A8Weight):
-            return [w.codes, w.scales, w.scales.new_empty(0) if w.mins is None else w.mins]
-        return [w.qweight, w.scales, w.scales.new_empty(0) if w.mins is None else w.mins]
+    return [input_norm.float().contiguous(), *_linear_tensors(qkv), *_linear_tensors(o), post_norm.float().contiguous(),
+            *_linear_tensors(gate_up), *_linear_tensors(down)]
 
-    return [input_norm.float().contiguous(), *linear(qkv), *linear(o), post_norm.float().contiguous(),
-            *linear(gate_up), *linear(down)]
+
+def _linear_tensors(w: FusedLinear) -> list[torch.Tensor]:
+    """A linear's (codes, scales, mins) for decode_layers (no mins: an empty tensor)."""
+    if isinstance(w, CpuInt4Weight):
+        return [w.packed, w.scales, w.mins]
+    if isinstance(w, A8Weight):
+        return [w.codes, w.scales, w.scales.new_empty(0) if w.mins is None else w.mins]
+    return [w.qweight, w.scales, w.scales.new_empty(0) if w.mins is None else w.mins]
+
+
+def decode_layer_v(v: FusedLinear | None) -> list[torch.Tensor]:
+    """decode_layers' ``v_weights`` for one layer: V's own (codes, scales, mins or empty, a8 wsum or
+    empty), or four empty tensors where the layer's QKV weight holds V."""
+    if v is None:
+        return [torch.empty(0) for _ in range(4)]
+    wsum = v.wsum if isinstance(v, A8Weight) and v.wsum is not None else torch.empty(0, dtype=torch.int16)
+    return [*_linear_tensors(v), wsum]
 
 
 def decode_layer_wsums(linears: Sequence[A8Weight]) -> list[torch.Tensor]:

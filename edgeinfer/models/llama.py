@@ -193,6 +193,8 @@ class LlamaLayers:
         if observe is not None:
             observe(index, "qkv", x)
         qkv = linear(x, layer.qkv, self._scratch, bf16_rows)  # (T, (Hq + 2 Hkv) * D)
+        if layer.v is not None:  # V's own weight (PreparedLayer.v): qkv held Q and K
+            qkv = torch.cat((qkv, linear(x, layer.v, self._scratch, bf16_rows)), dim=-1)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         qk = qkv[:, :q_size + kv_size].view(num_tokens, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -343,6 +345,7 @@ class LlamaModel(LlamaLayers):
             a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
             out_norms=self._out_norms, window=c.spec.sliding_window or 0, global_every=c.spec.global_every,
             local_rope=self._local_rope, activation=c.spec.activation, attn_softcap=c.spec.attn_softcap or 0.0,
+            v_weights=self.weights.fused_v,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 

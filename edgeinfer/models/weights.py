@@ -52,7 +52,7 @@ class PreparedLayer:
     Norm weights include the spec's norm offset."""
 
     input_norm: torch.Tensor
-    qkv: PreparedLinear  # the checkpoint's q, k, v rows, one linear (ArchSpec.linear_parts)
+    qkv: PreparedLinear  # the checkpoint's q, k, v rows, one linear (ArchSpec.linear_parts); see v
     o: PreparedLinear
     post_norm: torch.Tensor  # before the MLP
     gate_up: PreparedLinear
@@ -62,6 +62,13 @@ class PreparedLayer:
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # sandwich norms on the blocks' outputs
     mlp_out_norm: torch.Tensor | None = None
+    # V's rows apart where they come in another format than Q's and K's (a GGUF Q4_K_M's Q6_K V
+    # beside Q4_K Q and K); qkv then holds Q and K. Fused as one int8 weight with mins, Q and K
+    # took 1.375 bytes per weight instead of 0.58 (a 1.7B model's decode step read 82 MB more).
+    v: PreparedLinear | None = None
+
+    def linears(self) -> list[PreparedLinear]:
+        return [w for w in (self.qkv, self.v, self.o, self.gate_up, self.down) if w is not None]
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,10 @@ class PreparedWeights:
     fused: list[torch.Tensor] | None  # decode_layers' weights, 14 per layer; None: no fused step
     # decode_layers' a8_wsums where every fused linear is a kernels.cpu_a8 weight (int8 activations)
     fused_wsums: list[torch.Tensor] = field(default_factory=list)
+    fused_v: list[torch.Tensor] = field(default_factory=list)  # decode_layers' v_weights, where a layer has v
 
     def linears(self) -> list[PreparedLinear]:
-        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [w for layer in self.layers for w in layer.linears()]
 
 
 def row_reader(backend: Backend) -> RowReader | None:
@@ -122,8 +130,8 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
     # sandwich norms, GELU and soft-capped attention; RoPE scaling, norm offsets, fused checkpoint
     # weights, the attention scale, the embedding scale and the final soft-cap live outside it).
     fused = _fused_step_weights(layers, backend)
-    fused_weights, fused_wsums = fused if fused is not None else (None, [])
-    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused_weights, fused_wsums)
+    fused_weights, fused_wsums, fused_v = fused if fused is not None else (None, [], [])
+    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused_weights, fused_wsums, fused_v)
 
 
 def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec) -> PreparedLayer:
@@ -134,11 +142,16 @@ def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec
     norm_names = spec.norm_names()
     prep = lambda linear: prepare_linear(  # noqa: E731
         _fuse([get(f"{part}.weight") for part in parts[linear]], backend), backend)
+    qkv_parts = [get(f"{part}.weight") for part in parts["qkv"]]
+    v = None
+    if _v_apart(qkv_parts):
+        *qkv_parts, v_weight = qkv_parts
+        v = prepare_linear(v_weight, backend)
     norm = lambda role: (  # noqa: E731
         _dense(get(f"{norm_names[role]}.weight"), device) + spec.norm_offset if role in norm_names else None)
     return PreparedLayer(
         input_norm=norm("input_norm"),
-        qkv=prep("qkv"),
+        qkv=prepare_linear(_fuse(qkv_parts, backend), backend),
         o=prep("o"),
         post_norm=norm("post_norm"),
         gate_up=prep("gate_up"),
@@ -148,6 +161,7 @@ def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec
         k_norm=norm("k_norm"),
         attn_out_norm=norm("attn_out_norm"),
         mlp_out_norm=norm("mlp_out_norm"),
+        v=v,
     )
 
 
@@ -166,24 +180,45 @@ def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: Row
 
 
 def _fused_step_weights(layers: list[PreparedLayer],
-                        backend: Backend) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """decode_layers' weight list and a8_wsums when the backend runs fused steps and every linear
-    runs the AVX2 int4 or int8 kernel (each with its own group size: a Q4_K_M GGUF mixes int4 g32
-    and int8 g16), or every one the int8-activation kernels (then the wsums; else none), else
-    None; a model that could have fused steps but cannot use them says so at load."""
+                        backend: Backend) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
+    """decode_layers' weight list, a8_wsums and v_weights when the backend runs fused steps and
+    every linear runs the AVX2 int4 or int8 kernel (each with its own group size: a Q4_K_M GGUF
+    mixes int4 g32 and int8 g16), or every one the int8-activation kernels (then the wsums; else
+    none), else None; a model that could have fused steps but cannot use them says so at load."""
     if not backend.fused_step_max_tokens:
         return None
+
+    def kernel(w: PreparedLinear) -> object:
+        return w.kernel if w.path in ("int4_cpu", "a8_cpu") else w.source if w.path == "int8_cpu" else None
+
     linears = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    kernels = [w.kernel if w.path in ("int4_cpu", "a8_cpu") else w.source if w.path == "int8_cpu" else None
-               for w in linears]
-    a8 = all(isinstance(k, A8Weight) for k in kernels)
-    if not a8 and not all(isinstance(k, (cpu_ops.CpuInt4Weight, QuantizedTensor)) for k in kernels):
+    kernels = [kernel(w) for w in linears]
+    v_kernels = [None if layer.v is None else kernel(layer.v) for layer in layers]
+    every = kernels + [k for k, layer in zip(v_kernels, layers, strict=True) if layer.v is not None]
+    a8 = all(isinstance(k, A8Weight) for k in every)
+    if not a8 and not all(isinstance(k, (cpu_ops.CpuInt4Weight, QuantizedTensor)) for k in every):
         log.info("the fused C++ step runs int4/int8 linears; this model's run as %s, so steps take the per-op "
-                 "forward", sorted({w.path for w in linears}))
+                 "forward", sorted({w.path for layer in layers for w in layer.linears()}))
         return None
     weights = [t for i, layer in enumerate(layers) for t in cpu_ops.decode_layer_weights(
         layer.input_norm, kernels[4 * i], kernels[4 * i + 1], layer.post_norm, kernels[4 * i + 2], kernels[4 * i + 3])]
-    return weights, cpu_ops.decode_layer_wsums(kernels) if a8 else []
+    v_apart = any(k is not None for k in v_kernels)
+    v_weights = [t for k in v_kernels for t in cpu_ops.decode_layer_v(k)] if v_apart else []
+    return weights, cpu_ops.decode_layer_wsums(kernels) if a8 else [], v_weights
+
+
+def _fusing_key(weight: QuantizedTensor) -> tuple[object, ...]:
+    """What quantized weights must share to be concatenated as they are (formats.concat_rows)."""
+    return weight.format, weight.group_size, weight.mins is None, weight.scales.dtype
+
+
+def _v_apart(parts: list[Weight]) -> bool:
+    """Whether q, k, v come as q and k of one quantized format and v of another (GGUF Q4_K_M,
+    Q5_K_M: V one type up), so that V is better its own linear than all three widened to int8."""
+    if len(parts) != 3 or not all(isinstance(w, QuantizedTensor) and w.format in ("int4", "int8") for w in parts):
+        return False
+    q, k, v = (_fusing_key(w) for w in parts)  # type: ignore[arg-type]
+    return q == k != v
 
 
 def _fuse(weights: list[Weight], backend: Backend) -> Weight:
@@ -192,9 +227,9 @@ def _fuse(weights: list[Weight], backend: Backend) -> Weight:
     if len(weights) == 1:
         return weights[0]
     if all(isinstance(w, QuantizedTensor) and w.format in ("int4", "int8") for w in weights):
-        if len({(w.format, w.group_size, w.mins is None, w.scales.dtype) for w in weights}) == 1:  # type: ignore[union-attr]
+        if len({_fusing_key(w) for w in weights}) == 1:  # type: ignore[arg-type]
             return concat_rows(weights)  # type: ignore[arg-type]
-        # Mixed formats (a Q4_K_M's Q6_K V beside Q4_K Q and K): all int8 with mins in the common
+        # Other mixes of formats (V apart is prepare_layer's): all int8 with mins in the common
         # group, exact; int4 parts then take twice their bytes, still a quarter of a bf16 copy's.
         group = math.gcd(*(w.group_size for w in weights))  # type: ignore[union-attr]
         dtypes = {t.dtype for w in weights for t in (w.scales, w.mins) if t is not None}  # type: ignore[union-attr]

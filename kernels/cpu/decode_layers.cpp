@@ -197,7 +197,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
                    at::TensorList qk_norms, at::TensorList out_norms, int64_t window, int64_t global_every,
                    const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
-                   const std::string& activation, double attn_softcap) {
+                   const std::string& activation, double attn_softcap, at::TensorList v_weights) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -296,7 +296,14 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                         : down_codes.size(1) * (down_codes.scalar_type() == at::kByte ? 32 : 4);
   TORCH_CHECK(!a8 || static_cast<int64_t>(a8_wsums.size()) == 4 * layers,
               "a8 linears need one wsum tensor (empty for int4) per linear");
-  std::vector<int64_t> group(4 * layers);  // per layer: qkv, o, gate_up, down
+  // v_weights: V's rows apart, where they come in another format than Q's and K's (a GGUF
+  // Q4_K_M's Q6_K V beside Q4_K Q and K: fused as int8 they took 1.375 bytes per Q and K weight
+  // instead of 0.58): per layer codes, scales, mins and the a8 wsum, each possibly empty; empty
+  // codes: that layer's QKV weight holds V.
+  TORCH_CHECK(v_weights.empty() || static_cast<int64_t>(v_weights.size()) == 4 * layers,
+              "v_weights: none or four per layer (codes, scales, mins, wsum)");
+  const auto split_v = [&](int64_t l) { return !v_weights.empty() && v_weights[4 * l].numel() > 0; };
+  std::vector<int64_t> group(4 * layers), v_group(layers);  // per layer: qkv, o, gate_up, down; V apart
   for (int64_t l = 0; l < layers; ++l) {
     const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
     TORCH_CHECK(w[0].numel() == hidden && w[7].numel() == hidden && w[0].scalar_type() == at::kFloat &&
@@ -305,7 +312,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     const auto check = a8 ? [](const at::TensorList& v, int64_t at, int64_t n, int64_t k, const char* name) {
       return edgeinfer_cpu::a8_group(v[at], v[at + 1], n, k, name);
     } : linear_group;
-    group[4 * l] = check(w, 1, qkv_size, hidden, "qkv");
+    group[4 * l] = check(w, 1, split_v(l) ? q_size + kv_size : qkv_size, hidden, "qkv");
+    if (split_v(l)) v_group[l] = check(v_weights, 4 * l, kv_size, hidden, "v");
     group[4 * l + 1] = check(w, 4, hidden, q_size, "o");
     group[4 * l + 2] = check(w, 8, 2 * inter, hidden, "gate_up");
     group[4 * l + 3] = check(w, 11, hidden, inter, "down");
@@ -339,22 +347,29 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     TORCH_CHECK(a8 && marks.numel() == m, "a8_bf16_rows needs a8 linears and one mark per row (M)");
     std::copy_n(marks.data_ptr<bool>(), m, bf16_row.begin());
   }
-  // Linear j of layer l (qkv, o, gate_up, down) at w[at] (codes, scales, mins): y (m, n) = x @ W.T.
-  const auto linear = [&](const at::TensorList& w, int64_t l, int64_t j, int64_t at, const float* in, int64_t n,
-                          int64_t k, float* out) {
+  // y (m, n) = x @ W.T for the weight at w[at] (codes, scales, mins; a8: its wsum, its group).
+  const auto gemm = [&](const at::TensorList& w, int64_t at, const at::Tensor& wsum, int64_t group_size,
+                        const float* in, int64_t n, int64_t k, float* out) {
     if (a8) {
       for (int64_t r0 = 0, r1 = 0; r0 < m; r0 = r1) {
         for (r1 = r0 + 1; r1 < m && bf16_row[r1] == bf16_row[r0];) ++r1;
-        edgeinfer_cpu::a8_gemm_rows(in + r0 * k, r1 - r0, w[at], w[at + 1], w[at + 2], a8_wsums[4 * l + j], n, k,
+        edgeinfer_cpu::a8_gemm_rows(in + r0 * k, r1 - r0, w[at], w[at + 1], w[at + 2], wsum, n, k,
                                     bf16_row[r0] ? "amx_bf16" : a8_isa, out + r0 * n, bf16_row[r0] ? 1 : a8_terms);
       }
     } else {
-      edgeinfer_cpu::quantized_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], group[4 * l + j], out);
+      edgeinfer_cpu::quantized_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], group_size, out);
     }
+  };
+  const at::Tensor no_wsum;
+  // Linear j of layer l (qkv, o, gate_up, down) at w[at].
+  const auto linear = [&](const at::TensorList& w, int64_t l, int64_t j, int64_t at, const float* in, int64_t n,
+                          int64_t k, float* out) {
+    gemm(w, at, a8 ? a8_wsums[4 * l + j] : no_wsum, group[4 * l + j], in, n, k, out);
   };
   const bool gelu = activation == "gelu_tanh";
   std::vector<float> x(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), y(m * hidden),
-      gate_up(m * 2 * inter), act(m * inter);
+      gate_up(m * 2 * inter), act(m * inter), qk(v_weights.empty() ? 0 : m * (q_size + kv_size)),
+      v(v_weights.empty() ? 0 : m * kv_size);
   float* hp = h.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
     const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
@@ -366,7 +381,16 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     const float* cos_l = (local && local_cos.has_value() ? *local_cos : cos_table).data_ptr<float>();
     const float* sin_l = (local && local_sin.has_value() ? *local_sin : sin_table).data_ptr<float>();
     edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    linear(w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
+    if (split_v(l)) {  // Q and K, then V, each on its own weight, into QKV's rows
+      linear(w, l, 0, 1, x.data(), q_size + kv_size, hidden, qk.data());
+      gemm(v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, v_group[l], x.data(), kv_size, hidden, v.data());
+      for (int64_t t = 0; t < m; ++t) {
+        std::copy_n(qk.data() + t * (q_size + kv_size), q_size + kv_size, qkv.data() + t * qkv_size);
+        std::copy_n(v.data() + t * kv_size, kv_size, qkv.data() + t * qkv_size + q_size + kv_size);
+      }
+    } else {
+      linear(w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
+    }
     // Tokens (and below, activation rows) in parallel; with RoPE vectorized, a 16-sequence step spends
     // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
     at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
@@ -446,7 +470,8 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
         "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1, "
         "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor[] out_norms, int window=0, int global_every=0, "
-        "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\", float attn_softcap=0.0) -> ()");
+        "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\", float attn_softcap=0.0, "
+        "Tensor[] v_weights) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

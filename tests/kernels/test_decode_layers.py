@@ -213,6 +213,10 @@ def test_fused_step_runs_mixed_int4_and_int8_linears(loaded: LoadedModel) -> Non
         weights[p + "self_attn.o_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.o_proj.weight"], 32, True, i)
     mixed = LlamaModel(loaded.config, weights)
     assert mixed.fused_steps
+    # V apart where it is int8 beside int4 Q and K (not widened with them to int8 with mins)
+    assert [layer.v is not None for layer in mixed.weights.layers] == [i != 1 for i in range(CONFIG.num_layers)]
+    assert all(layer.qkv.kernel is not None for layer in mixed.weights.layers)  # Q and K stay int4
+    assert len(mixed.weights.fused_v) == 4 * CONFIG.num_layers
     per_op = LlamaModel(loaded.config, weights, dataclasses.replace(mixed.backend, fused_step_max_tokens=0))
     g = torch.Generator().manual_seed(5)
     lengths, tables = (1, 6, 13), [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]
@@ -338,11 +342,15 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
             weights[p + "mlp.down_proj.weight"] = _gguf_like_int8(weights[p + "mlp.down_proj.weight"], 16, False, i)
             weights[p + "self_attn.o_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.o_proj.weight"], 32, True,
                                                                      i)
+            if i != 1:  # V apart (Q6_K beside Q4_K Q and K) in some layers
+                weights[p + "self_attn.v_proj.weight"] = _gguf_like_int8(weights[p + "self_attn.v_proj.weight"], 16,
+                                                                         False, i)
     bf16 = terms == "bf16"
     backend = choose_backend("int4_cpu", "cpu", int8_activations=True, a8_terms=1 if bf16 else terms, a8_bf16=bf16)
     a8 = LlamaModel(loaded.config, weights, backend)
     assert a8._a8_isa == ("amx_bf16" if bf16 else cpu_a8.default_isa())
     assert a8.fused_steps and len(a8.weights.fused_wsums) == 4 * CONFIG.num_layers
+    assert len(a8.weights.fused_v) == (4 * CONFIG.num_layers if mixed else 0)
     per_op = LlamaModel(loaded.config, weights, dataclasses.replace(backend, fused_step_max_tokens=0))
     g = torch.Generator().manual_seed(6)
     lengths, tables = (1, 6, 13), [(7, 2), (11, 0, 5), (3, 9, 1, 20, 14)]
