@@ -82,7 +82,7 @@ def _permute(weight: Weight, num_heads: int) -> Weight:
         return _permute_rows(weight, num_heads)
     mins = None if weight.mins is None else _permute_rows(weight.mins, num_heads)
     return replace(weight, qweight=_permute_rows(weight.qweight, num_heads),
-                   scales=_permute_rows(weight.scales, num_heads), mins=mins)
+                   scales=_permute_rows(weight.scales, num_heads), mins=mins, super_scales=None)
 
 
 def _fp16_bytes(t: torch.Tensor, n: int, num_blocks: int) -> torch.Tensor:

@@ -94,9 +94,11 @@ class QuantizedTensor:
             raise ValueError(f"mins have shape {tuple(self.mins.shape)}, expected {(n, num_groups)}")
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
-        """The same weight with its tensors on ``device``."""
+        """The same weight with its tensors on ``device`` (off the CPU without super_scales: only
+        the CPU kernels read them)."""
+        levels = self.super_scales if torch.device(device).type == "cpu" else None
         return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device),
-                       mins=None if self.mins is None else self.mins.to(device))
+                       mins=None if self.mins is None else self.mins.to(device), super_scales=levels)
 
     @property
     def nbytes(self) -> int:
