@@ -128,12 +128,10 @@ struct KvScales {
 // (Gemma 2), tanh(a) as 2 sigmoid(2a) - 1.
 float softmax_numerators(float* scores, int64_t len, float* m_out, float softcap = 0.0f) {
   if (softcap > 0.0f) {
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), cap = _mm256_set1_ps(softcap);
+    const __m256 one = _mm256_set1_ps(1.0f), cap = _mm256_set1_ps(softcap);
     const __m256 twice_inv = _mm256_set1_ps(2.0f / softcap);
     for (int64_t t = 0; t < len; t += 8) {  // the padding past len is computed and never read
-      const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(scores + t), twice_inv);
-      const __m256 e = exp_nonpositive(_mm256_or_ps(a, sign));  // exp(-|a|)
-      const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, a), _mm256_add_ps(one, e));
+      const __m256 sig = edgeinfer_cpu::sigmoid8(_mm256_mul_ps(_mm256_loadu_ps(scores + t), twice_inv));
       _mm256_storeu_ps(scores + t, _mm256_mul_ps(cap, _mm256_fmsub_ps(_mm256_set1_ps(2.0f), sig, one)));
     }
   }

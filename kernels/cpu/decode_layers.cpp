@@ -67,12 +67,10 @@ void write_kv(const float* src, int64_t count, at::Tensor& cache, int64_t slot) 
 
 // out = act(gate) * up over rows of [gate | up]: SiLU, g * sigmoid(g), or with kGelu GELU's tanh
 // form (Gemma), 0.5 g (1 + tanh(z)) = g * sigmoid(2 z) with z = sqrt(2 / pi) (g + 0.044715 g^3);
-// the sigmoid from the exp of -|a| only (exp_nonpositive), relative error ~2e-7 like the softmax's.
+// the sigmoid from the exp of -|a| only (simd.h sigmoid8), relative error ~2e-7 like the softmax's.
 template <bool kGelu>
 void act_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
   constexpr float kC = 0.7978845608028654f, kCube = 0.044715f;
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gate_up + r * 2 * inter;
     const float* u = g + inter;
@@ -85,11 +83,7 @@ void act_mul(const float* gate_up, int64_t rows, int64_t inter, float* out) {
         const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
         a = _mm256_mul_ps(_mm256_set1_ps(2.0f * kC), _mm256_fmadd_ps(_mm256_set1_ps(kCube), cube, gv));
       }
-      const __m256 e = edgeinfer_cpu::exp_nonpositive(_mm256_or_ps(a, sign));  // exp(-|a|)
-      const __m256 denom = _mm256_add_ps(one, e);
-      // sigmoid(a) = 1 / (1 + e) for a >= 0, e / (1 + e) for a < 0
-      const __m256 numer = _mm256_blendv_ps(one, e, a);
-      const __m256 sig = _mm256_div_ps(numer, denom);
+      const __m256 sig = edgeinfer_cpu::sigmoid8(a);
       _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
     }
     for (; i < inter; ++i) {

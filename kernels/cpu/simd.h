@@ -1,5 +1,5 @@
 // AVX2 helpers shared by the CPU ops in this folder: horizontal reductions, loads of 8 values
-// of each cache dtype as fp32, and a vector exp for softmax.
+// of each cache dtype as fp32, and a vector exp for softmax and sigmoid.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -59,6 +59,15 @@ inline __m256 exp_nonpositive(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// sigmoid(a) from exp(-|a|) only, so nothing overflows: 1 / (1 + e) for a >= 0, e / (1 + e) below;
+// relative error ~2e-7 like exp_nonpositive's. SiLU / GELU-tanh (decode_layers.cpp) and the
+// soft-cap's tanh(a) = 2 sigmoid(2a) - 1 (attention.cpp) use it.
+inline __m256 sigmoid8(__m256 a) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp_nonpositive(_mm256_or_ps(a, _mm256_set1_ps(-0.0f)));
+  return _mm256_div_ps(_mm256_blendv_ps(one, e, a), _mm256_add_ps(one, e));
 }
 
 }  // namespace edgeinfer_cpu
