@@ -68,6 +68,14 @@ def supports(weight: QuantizedTensor) -> bool:
     return (weight.format == "int4" and group % 32 == 0) or (weight.format == "int8" and group % 16 == 0)
 
 
+def keeps_two_levels(weight: QuantizedTensor) -> bool:
+    """Whether prepare_a8 lays the weight's SuperScales into its tiles (int4 g32, super-blocks of
+    256 dividing K: GGUF Q4_K), so that the kernels compute with their exact products."""
+    levels = weight.super_scales
+    return weight.format == "int4" and weight.group_size == 32 and levels is not None and \
+        levels.block == SUPER_BLOCK and weight.shape[1] % SUPER_BLOCK == 0
+
+
 def prepare_a8(weight: QuantizedTensor, terms: int = 1, bf16: bool = False) -> A8Weight:
     """Re-lay a quant.formats int4 or int8 weight into 16-column tiles (N padded with zeros), to
     be run with activations in ``terms`` int8 terms, or with ``bf16`` in bf16 (a8_linear)."""
@@ -100,7 +108,7 @@ def prepare_a8(weight: QuantizedTensor, terms: int = 1, bf16: bool = False) -> A
         return F.pad(t.to(dtype), (0, 0, 0, pad)).view(tiles, COLS, k // group).transpose(1, 2).contiguous()
 
     levels = weight.super_scales
-    if int4 and group == 32 and levels is not None and k % levels.block == 0 and levels.block == SUPER_BLOCK:
+    if levels is not None and keeps_two_levels(weight):
         # A K-quant's two levels as its file has them (a8_gemm.h): per tile and super-block the 16
         # columns' fp16 super-scale, then per group their codes; 18.5 bytes per 32 weights, not 20.
         def two_level(d: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_a8 import keeps_two_levels
 from quant.formats import QuantizedTensor, unpack_int4
 
 # ---- weight-only GEMM (kernels.int4_gemm, kernels.int8_gemm, kernels.cpu_ops) -----------------
@@ -94,10 +95,8 @@ def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, ter
 def _kernel_scales(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The scales and mins kernels.cpu_a8 computes with: a K-quant's exact two-level products
     where the weight has them (prepare_a8 keeps the two levels), else the weight's own."""
-    levels = weight.super_scales
-    if levels is not None and weight.format == "int4" and weight.group_size == 32 and levels.block == 256 and \
-            weight.shape[1] % levels.block == 0:
-        return levels.products()
+    if weight.super_scales is not None and keeps_two_levels(weight):
+        return weight.super_scales.products()
     return weight.scales, weight.mins
 
 
