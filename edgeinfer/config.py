@@ -184,6 +184,12 @@ class RuntimeConfig:
     # Fewer threads while other programs keep some of the cores busy (worker/cpu_share.py); False:
     # always num_threads.
     share_cpu: bool = True
+    # Added to the niceness of the thread that runs the steps (and so of its OpenMP threads,
+    # which inherit it; Linux only). A step keeps every core busy: at equal priority a local
+    # client, or the server's own event loop, woken to read or write a token waited out the
+    # step's time slice (3.6-8 ms of a one-stream HTTP TTFT, docs/BENCHMARKS.md); lower, they
+    # preempt it at once. 0: the process's own priority.
+    compute_nice: int = 5
     block_size: int = 16
     # K and V, unless overridden below. auto: fp16, as llama.cpp keeps it (the default model on
     # the CPU: the same decode speed as fp32 and half the pool, 9 MB less at 400 tokens); fp32 on
@@ -242,6 +248,9 @@ class RuntimeConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 <= self.compute_nice <= 19:
+            raise ValueError(f"compute_nice must be in [0, 19] (added to the process's niceness), "
+                             f"got {self.compute_nice}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         object.__setattr__(self, "graph_batch_sizes", tuple(self.graph_batch_sizes))

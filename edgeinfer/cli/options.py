@@ -92,6 +92,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def niceness(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 19, got {value}")
+    return value
+
+
 def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> None:
     """The model and runtime flags every model-running subcommand shares; ``memory_budget`` adds
     the memory plan's --ctx, --parallel and --kv-memory, for the commands that serve many requests
@@ -127,6 +137,9 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
                    "one per core); fewer while other programs keep some cores busy")
     p.add_argument("--fixed-threads", action="store_true",
                    help="keep --threads even while other programs keep cores busy")
+    p.add_argument("--compute-nice", type=niceness, default=RuntimeConfig.compute_nice, metavar="N",
+                   help="niceness added to the threads that run the model, so clients and the server's "
+                        "own I/O preempt a step at once (0 to 19; default: %(default)s)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
     p.add_argument("--exact-head", action="store_true",
                    help="exact logits for every token (the int4 CPU path otherwise recomputes only the 64 "
@@ -139,5 +152,5 @@ def runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                          cpu_activations=args.cpu_activations, k_dtype=args.k_dtype, v_dtype=args.v_dtype,
                          num_threads=args.threads, share_cpu=not args.fixed_threads,
-                         cuda_graphs=args.cuda_graphs, exact_head=args.exact_head,
+                         compute_nice=args.compute_nice, cuda_graphs=args.cuda_graphs, exact_head=args.exact_head,
                          kv_memory_bytes=kv_bytes, kv_memory_fraction=kv_fraction, **pool)

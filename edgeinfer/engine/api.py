@@ -135,7 +135,8 @@ class Engine:
         return self._health
 
     async def __aenter__(self) -> Engine:
-        self._compute = compute_thread()  # loads the model and runs every step (see compute_thread)
+        # Loads the model and runs every step (see compute_thread).
+        self._compute = compute_thread(self.config.runtime.compute_nice)
         if self._runner is None:
             try:
                 loaded = await run_on(self._compute, load_model, self.config.model_path)

@@ -23,6 +23,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
@@ -80,14 +83,29 @@ async def run_on(thread: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -
         return await asyncio.wrap_future(future)
 
 
-def compute_thread() -> ThreadPoolExecutor:
+def compute_thread(nice: int = 0) -> ThreadPoolExecutor:
     """The thread that runs a model's torch work. One per engine, and everything parallel runs on
     it, loading and preparing the weights included: every thread that runs an OpenMP region keeps
     a pool of OpenMP threads, and once the pools hold more threads than the machine has cores,
     libgomp stops spinning between regions and wakes its threads through the kernel each time.
     A decode step runs a few hundred short regions, so on the 2-core test machine a step took
-    17.2 ms on a second thread against 6.1-6.4 ms on one (tools/bench_engine_step.py)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeinfer-model")
+    17.2 ms on a second thread against 6.1-6.4 ms on one (tools/bench_engine_step.py).
+
+    ``nice`` is added to the thread's niceness before it runs anything, so the OpenMP threads it
+    starts inherit it (RuntimeConfig.compute_nice)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgeinfer-model",
+                              initializer=_lower_priority, initargs=(nice,))
+
+
+def _lower_priority(nice: int) -> None:
+    # Linux keeps a niceness per thread (POSIX would renice the whole process, event loop included).
+    if not nice or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:
+        log.warning("could not lower the compute thread's priority by %d: %s", nice, exc)
 
 
 class ModelActor:

@@ -39,6 +39,9 @@ from edgeinfer.engine.actor import ActorFailed, ActorRef, Envelope
 
 log = logging.getLogger(__name__)
 
+# A burst of submissions (_let_a_burst_in) ends with a window that brings none, or after the last window.
+BURST_WINDOW_S = 0.0005
+BURST_MAX_WINDOWS = 20
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over the steps of this last window
 
 
@@ -92,6 +95,7 @@ class SchedulerActor:
                         except anyio.EndOfStream:
                             code = ENGINE_CLOSED
                             break
+                        await _let_a_burst_in(inbox)
                     if not self._take_submissions(inbox):
                         code = ENGINE_CLOSED
                         break
@@ -207,6 +211,19 @@ class SchedulerActor:
             s.num_blocks_cached, s.num_blocks_used * bytes_per_block,
             s.prefix_hit_rate, self._recent_tokens / span if span > 0 else 0.0,
             s.num_generated_tokens, s.num_preemptions, self._num_steps)
+
+
+async def _let_a_burst_in(inbox: MemoryObjectReceiveStream[Envelope[Submit]]) -> None:
+    """After an idle engine's first submission, wait while more keep arriving. Requests sent
+    together (a client's parallel calls, the streams of a page) reach the server within a few
+    milliseconds, but each is submitted only once the server has parsed it (~0.3 ms each on the
+    2-core machine): planned at the first, the step ran that prompt alone and the rest waited
+    out the whole step (~50 ms more TTFT for 15 of 16 streams). A lone request waits one window."""
+    for _ in range(BURST_MAX_WINDOWS):
+        queued = inbox.statistics().current_buffer_used
+        await anyio.sleep(BURST_WINDOW_S)
+        if inbox.statistics().current_buffer_used == queued:
+            return
 
 
 def _send_final(stream: MemoryObjectSendStream[Event], event: Event) -> None:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import anyio
 import pytest
 from fake_runner import VOCAB, FakeRunner, Letters, expected_tokens
 
-from edgeinfer.config import ModelConfig, SchedulerConfig
+from edgeinfer.config import ModelConfig, RuntimeConfig, SchedulerConfig
 from edgeinfer.core.events import ENGINE_CLOSED, INTERNAL, Accepted, Error, Finished, Token
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
 from edgeinfer.engine.api import Engine, SupervisionConfig
+from edgeinfer.engine.model_actor import compute_thread
 
 pytestmark = pytest.mark.anyio
 
@@ -210,3 +213,47 @@ async def test_the_models_sampling_defaults_fill_what_a_client_left_unset() -> N
                                                         params_given=typed | {"temperature"}))
             tool = await collect(engine, GenerateRequest("c", prompt="hello", params=hot))
             assert tokens(own) == tokens(tool) != tokens(unset)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a niceness per thread is Linux's")
+def test_the_compute_thread_runs_at_the_added_niceness() -> None:
+    """compute_thread(nice) lowers its own thread's priority by `nice` (RuntimeConfig.compute_nice),
+    not the caller's (the event loop's), and threads it starts (OpenMP's) inherit it."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def own_and_child() -> tuple[int, int]:
+        seen: list[int] = []
+        child = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        child.start()
+        child.join()
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), seen[0]
+
+    for nice, expected in ((3, min(19, before + 3)), (0, before)):
+        thread = compute_thread(nice)
+        try:
+            assert thread.submit(own_and_child).result() == (expected, expected)
+        finally:
+            thread.shutdown()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    with pytest.raises(ValueError, match="compute_nice must be in"):
+        RuntimeConfig(compute_nice=20)
+
+
+async def test_requests_sent_together_share_an_idle_engines_first_step() -> None:
+    """Requests submitted a few event-loop passes apart (a server parsing a burst of them one by
+    one) all join the first step of an idle engine instead of the first running alone; a request
+    submitted after that step began waits for the next one."""
+    steps: list[list[int]] = []  # per step: the prompt tokens each chunk carried
+    runner = FakeRunner(num_blocks=64, on_step=lambda chunks: steps.append([len(c.token_ids) for c in chunks]))
+    engine = fake_engine(runner, max_num_batched_tokens=64)
+
+    async def after_passes(passes: int, request_id: str) -> None:
+        for _ in range(passes):
+            await anyio.lowlevel.checkpoint()
+        await collect(engine, GenerateRequest(request_id, prompt="hello there", params=greedy(3)))
+
+    with anyio.fail_after(10):
+        async with engine, anyio.create_task_group() as tg:
+            for i, passes in enumerate((0, 3, 10, 30)):
+                tg.start_soon(after_passes, passes, f"r{i}")
+    assert steps[0] == [11, 11, 11, 11], steps
