@@ -162,7 +162,7 @@ async def http_round(port: int, headers: dict[str, str], num_streams: int, args:
         done.append((first - start, time.perf_counter() - start, usage or chunks))
 
     try:
-        for connection, request in zip(connections, requests):
+        for connection, request in zip(connections, requests, strict=True):
             connection.write(request)
         async with anyio.create_task_group() as tg:
             for i in range(num_streams):
