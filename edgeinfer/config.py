@@ -307,6 +307,11 @@ class SchedulerConfig:
     kv_watermark: float = 0.01  # fraction of KV blocks admission leaves free for running decodes
     retry_after_s: float = 1.0  # hint sent with `overloaded`
     mailbox_size: int = 1024  # scheduler actor inbox bound (submissions wait when it is full)
+    # An idle engine's first submission waits in windows of this many seconds while more keep
+    # arriving, so requests sent together share the first step (engine/scheduler_actor.py
+    # `_let_a_burst_in`); a lone request pays one window. 0: plan at the first submission (a
+    # front end with one request at a time: generate, bench).
+    burst_window_s: float = 0.0005
     # Speculative decoding for decoding sequences: "off", "ngram" (prompt lookup) or "draft" (a
     # draft model, which the engine then loads beside the target): up to max_draft_tokens drafts
     # per step (adapted to each sequence's acceptance), only while at most speculate_max_seqs
@@ -337,6 +342,8 @@ class SchedulerConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if not 0 <= self.burst_window_s <= 0.05:
+            raise ValueError(f"burst_window_s must be in [0, 0.05] seconds, got {self.burst_window_s}")
 
     def for_device(self, device_type: str) -> SchedulerConfig:
         """This config with the step token budget settled for a device type ("cpu", "cuda"): the

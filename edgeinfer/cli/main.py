@@ -52,7 +52,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     runtime = _one_request_runtime(args, tokens, max(1, args.beam_width))
     if args.speculative and args.draft_model:
         raise ValueError("--speculative ngram and --draft-model are two drafters: choose one")
-    scheduler = SchedulerConfig(speculative="draft" if args.draft_model else args.speculative or "off")
+    scheduler = SchedulerConfig(speculative="draft" if args.draft_model else args.speculative or "off",
+                                burst_window_s=0.0)
     draft = str(model_path(args.draft_model)) if args.draft_model else None
     if args.no_chat:
         request = GenerateRequest("generate", prompt=args.prompt, params=params, params_given=given)
@@ -176,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise RuntimeError("the engine ended the request without a final event")
 
     async def run() -> dict[str, object]:
-        config = EngineConfig(str(model_path(args.model)), runtime, SchedulerConfig())
+        config = EngineConfig(str(model_path(args.model)), runtime, SchedulerConfig(burst_window_s=0.0))
         async with Engine(config) as engine:
             ids = tuple(engine.tokenizer.encode(corpus.read_text()[: args.prompt_tokens * 8]))[: args.prompt_tokens]
             if len(ids) < args.prompt_tokens:

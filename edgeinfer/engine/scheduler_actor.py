@@ -39,9 +39,7 @@ from edgeinfer.engine.actor import ActorFailed, ActorRef, Envelope
 
 log = logging.getLogger(__name__)
 
-# A burst of submissions (_let_a_burst_in) ends with a window that brings none, or after the last window.
-BURST_WINDOW_S = 0.0005
-BURST_MAX_WINDOWS = 20
+BURST_MAX_WINDOWS = 20  # a burst of submissions (_let_a_burst_in) is cut off after this many windows
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over the steps of this last window
 
 
@@ -95,7 +93,7 @@ class SchedulerActor:
                         except anyio.EndOfStream:
                             code = ENGINE_CLOSED
                             break
-                        await _let_a_burst_in(inbox)
+                        await _let_a_burst_in(inbox, self.scheduler.config.burst_window_s)
                     if not self._take_submissions(inbox):
                         code = ENGINE_CLOSED
                         break
@@ -213,15 +211,16 @@ class SchedulerActor:
             s.num_generated_tokens, s.num_preemptions, self._num_steps)
 
 
-async def _let_a_burst_in(inbox: MemoryObjectReceiveStream[Envelope[Submit]]) -> None:
-    """After an idle engine's first submission, wait while more keep arriving. Requests sent
-    together (a client's parallel calls, the streams of a page) reach the server within a few
-    milliseconds, but each is submitted only once the server has parsed it (~0.3 ms each on the
-    2-core machine): planned at the first, the step ran that prompt alone and the rest waited
-    out the whole step (~50 ms more TTFT for 15 of 16 streams). A lone request waits one window."""
-    for _ in range(BURST_MAX_WINDOWS):
+async def _let_a_burst_in(inbox: MemoryObjectReceiveStream[Envelope[Submit]], window_s: float) -> None:
+    """After an idle engine's first submission, wait in windows of ``window_s`` while more keep
+    arriving (SchedulerConfig.burst_window_s). Requests sent together (a client's parallel calls,
+    the streams of a page) reach the server within a few milliseconds, but each is submitted only
+    once the server has parsed it (~0.3 ms each on the 2-core machine): planned at the first, the
+    step ran that prompt alone and the rest waited out the whole step (~50 ms more TTFT for 15 of
+    16 streams, docs/BENCHMARKS.md)."""
+    for _ in range(BURST_MAX_WINDOWS if window_s > 0 else 0):
         queued = inbox.statistics().current_buffer_used
-        await anyio.sleep(BURST_WINDOW_S)
+        await anyio.sleep(window_s)
         if inbox.statistics().current_buffer_used == queued:
             return
 

@@ -239,13 +239,14 @@ def test_the_compute_thread_runs_at_the_added_niceness() -> None:
         RuntimeConfig(compute_nice=20)
 
 
-async def test_requests_sent_together_share_an_idle_engines_first_step() -> None:
+@pytest.mark.parametrize("window_s", [0.0005, 0.0])
+async def test_requests_sent_together_share_an_idle_engines_first_step(window_s: float) -> None:
     """Requests submitted a few event-loop passes apart (a server parsing a burst of them one by
-    one) all join the first step of an idle engine instead of the first running alone; a request
-    submitted after that step began waits for the next one."""
+    one) all join the first step of an idle engine instead of the first running alone; with
+    SchedulerConfig.burst_window_s 0 the first step is planned at once, without the later ones."""
     steps: list[list[int]] = []  # per step: the prompt tokens each chunk carried
     runner = FakeRunner(num_blocks=64, on_step=lambda chunks: steps.append([len(c.token_ids) for c in chunks]))
-    engine = fake_engine(runner, max_num_batched_tokens=64)
+    engine = fake_engine(runner, max_num_batched_tokens=64, burst_window_s=window_s)
 
     async def after_passes(passes: int, request_id: str) -> None:
         for _ in range(passes):
@@ -256,4 +257,6 @@ async def test_requests_sent_together_share_an_idle_engines_first_step() -> None
         async with engine, anyio.create_task_group() as tg:
             for i, passes in enumerate((0, 3, 10, 30)):
                 tg.start_soon(after_passes, passes, f"r{i}")
-    assert steps[0] == [11, 11, 11, 11], steps
+    assert steps[0] == [11, 11, 11, 11] if window_s else len(steps[0]) < 4, steps
+    with pytest.raises(ValueError, match="burst_window_s must be in"):
+        SchedulerConfig(burst_window_s=-1.0)
