@@ -185,10 +185,11 @@ class RuntimeConfig:
     # always num_threads.
     share_cpu: bool = True
     # Added to the niceness of the thread that runs the steps (and so of its OpenMP threads,
-    # which inherit it; Linux only). A step keeps every core busy: at equal priority a local
-    # client, or the server's own event loop, woken to read or write a token waited out the
-    # step's time slice (3.6-8 ms of a one-stream HTTP TTFT, docs/BENCHMARKS.md); lower, they
-    # preempt it at once. 0: the process's own priority.
+    # which inherit it; Linux only). A step keeps every core busy, and a local client or the
+    # server's own event loop woken beside it waits for a time slice: with an httpx client the
+    # first token's way from the server's write to the client's read took 3.2-8.2 ms (median
+    # 4.0) at equal priority, 3.2-5.9 (median 3.6) niced (docs/BENCHMARKS.md). 0: the
+    # process's own priority.
     compute_nice: int = 5
     block_size: int = 16
     # K and V, unless overridden below. auto: fp16, as llama.cpp keeps it (the default model on

@@ -138,8 +138,8 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
     p.add_argument("--fixed-threads", action="store_true",
                    help="keep --threads even while other programs keep cores busy")
     p.add_argument("--compute-nice", type=niceness, default=RuntimeConfig.compute_nice, metavar="N",
-                   help="niceness added to the threads that run the model, so clients and the server's "
-                        "own I/O preempt a step at once (0 to 19; default: %(default)s)")
+                   help="niceness added to the threads that run the model, so other programs, local clients "
+                        "and the server's own I/O get a core sooner during a step (0 to 19; default: %(default)s)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (CUDA only)")
     p.add_argument("--exact-head", action="store_true",
                    help="exact logits for every token (the int4 CPU path otherwise recomputes only the 64 "
