@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -47,6 +48,17 @@ async def open_engine(model_path: str, runtime: RuntimeConfig, scheduler: Schedu
         yield engine, Path(model_path).name
 
 
+def freeze_startup_heap() -> int:
+    """Move every object alive once the model is up (~177,000 with the default model: torch's,
+    the tokenizer's, the server's) out of the garbage collector's reach; returns how many. A full
+    collection traversed them all: 69-126 ms with every stream stalled behind it (the event loop
+    holds the GIL), once a minute or so under load; frozen, it walks only what came after. What is
+    garbage now is collected first; frozen objects are still freed by reference counting."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def run_service(config: ServiceConfig) -> int:
     state_dir = Path(config.state_dir) if config.state_dir else None
     lock = daemon.acquire_lock(state_dir) if state_dir else None  # raises DaemonError if one runs
@@ -62,6 +74,7 @@ async def run_service(config: ServiceConfig) -> int:
         async with open_engine(config.model_path, config.runtime, config.scheduler,
                                config.draft_model_path) as (engine, name):
             async with Server(engine, config.server, name, sock) as server:
+                freeze_startup_heap()
                 if state_dir is not None:
                     daemon.write_state(state_dir, daemon.DaemonState(
                         pid=os.getpid(), host=config.server.host, port=server.port, model=name))
