@@ -2,9 +2,9 @@
 read its server-sent events back as lines.
 
 Written by hand because the client runs on the same cores as the server it measures: through
-httpx (over httpcore and h11) a streamed request cost ~1 ms of this 2-core machine's CPU to send
-and each event another stretch of Python to read, time that the server's steps lost and that
-showed up in its TTFT (docs/BENCHMARKS.md). Here a request is one write of prebuilt bytes (a
+httpx (over httpcore and h11) 16 prebuilt requests went out ~0.4 ms apart, and at one stream the
+first token was read 3.6-8 ms after the server had written it (0.2-0.5 ms here), time that
+showed up as the server's TTFT (docs/BENCHMARKS.md, 2026-11-27). Here a request is one write of prebuilt bytes (a
 round writes all of its streams' requests at once, as the engine target submits them), and the
 response is read through asyncio's buffered reader: the status line, the headers, then the
 body by Content-Length or chunked transfer coding (what uvicorn and llama.cpp's server send).

@@ -7,18 +7,17 @@ prefix cache does not help; --new-tokens each, EOS ignored) start together. Targ
   round's start, as the HTTP client takes them).
 - ``openai``: ``edgeinfer serve`` in a subprocess, driven over ``POST /v1/completions`` with
   ``stream: true`` by tools/bench_http.py's client (times taken at the client).
-
-Every target's requests (their prompts tokenized, the HTTP ones as bytes on open connections) are
-ready before its round's clock starts.
 - ``llama-server``: llama.cpp's server (``$LLAMA_CPP_BIN``, see tools/build_llama_cpp.sh) with
   ``--parallel`` = the largest N, the same GGUF and threads, driven by the same client.
 - ``llama-batched-bench``: llama.cpp's ``llama-batched-bench -npp P -ntg T -npl N`` (its own
   timing: prefill of all N prompts, then N streams decoding in lockstep).
 
-Reported per target and N: aggregate decode tok/s (tokens after each stream's first, over the span
-from the first first token to the last token), p50/p95 TTFT and TPOT, and the speedup over one
-stream. With --runs R the targets alternate R times (this machine is shared: the spread matters);
-the summary gives median (min-max) per figure and ratios of each target to the first.
+Every target's requests (their prompts tokenized, the HTTP ones as bytes on open connections) are
+ready before its round's clock starts. Reported per target and N: aggregate decode tok/s (tokens
+after each stream's first, over the span from the first first token to the last token), p50/p95
+TTFT and TPOT, and the speedup over one stream. With --runs R the targets alternate R times
+(this machine is shared: the spread matters); the summary gives median (min-max) per figure and
+ratios of each target to the first.
 
     eval "$(tools/build_llama_cpp.sh)"   # for the llama.cpp targets
     python tools/bench_serving.py --target engine openai llama-server --streams 1 4 16 --runs 3
@@ -134,6 +133,15 @@ async def http_round(port: int, headers: dict[str, str], num_streams: int, args:
     prompt's tokenization alone cost ~3 ms a stream, spacing the sends)."""
     done: list[tuple[float, float, int]] = []
     connections = [Connection("127.0.0.1", port, headers) for _ in range(num_streams)]
+    try:
+        return await _timed_round(connections, num_streams, args, encode, round_id, new_tokens, done)
+    finally:
+        for connection in connections:
+            await connection.close()
+
+
+async def _timed_round(connections: list[Connection], num_streams: int, args: argparse.Namespace, encode,  # noqa: ANN001
+                       round_id: str, new_tokens: int | None, done: list[tuple[float, float, int]]) -> dict[str, float]:
     for connection in connections:
         await connection.open()
     model = (await connections[0].get_json("/v1/models"))["data"][0]["id"]
@@ -161,15 +169,11 @@ async def http_round(port: int, headers: dict[str, str], num_streams: int, args:
         assert first is not None, f"stream {i} had no token"
         done.append((first - start, time.perf_counter() - start, usage or chunks))
 
-    try:
-        for connection, request in zip(connections, requests, strict=True):
-            connection.write(request)
-        async with anyio.create_task_group() as tg:
-            for i in range(num_streams):
-                tg.start_soon(one, i)
-    finally:
-        for connection in connections:
-            await connection.close()
+    for connection, request in zip(connections, requests, strict=True):
+        connection.write(request)
+    async with anyio.create_task_group() as tg:
+        for i in range(num_streams):
+            tg.start_soon(one, i)
     return round_figures(num_streams, done, time.perf_counter() - start)
 
 
