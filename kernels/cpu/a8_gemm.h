@@ -56,6 +56,20 @@ struct A8Problem {
   bool two_level;  // scales and mins are super-scales and codes (see above)
 };
 
+// Where group g of tile t's 16 columns are in `base` (p.scales or p.mins). Two-level: the
+// super-block's 16 fp16 super-scales (a8_super_block) and the group's 16 codes after them
+// (a8_group_codes); else the element offset in (tiles, groups, 16) (a8_param_at). static: each
+// kernel file keeps its own copy (see above); they compile to integer arithmetic.
+static inline const uint8_t* a8_super_block(const A8Problem& p, const void* base, int64_t t, int64_t g) {
+  return static_cast<const uint8_t*>(base) + (t * (p.k / kA8SuperBlock) + g / kA8SuperGroups) * kA8SuperBytes;
+}
+static inline const uint8_t* a8_group_codes(const uint8_t* super_block, int64_t g) {
+  return super_block + kA8Cols * 2 + (g % kA8SuperGroups) * kA8Cols;
+}
+static inline int64_t a8_param_at(const A8Problem& p, int64_t t, int64_t g) {
+  return (t * (p.k / p.group) + g) * kA8Cols;
+}
+
 // Columns tiles [tile0, tile1) of y for all M rows.
 void a8_columns_avx512vnni(const A8Problem& p, int64_t tile0, int64_t tile1);
 void a8_columns_avxvnni(const A8Problem& p, int64_t tile0, int64_t tile1);
