@@ -131,17 +131,18 @@ async def http_round(port: int, headers: dict[str, str], num_streams: int, args:
     opened inside the round, the connections after the first reached the server while the first
     prompt ran alone, ~70 ms more TTFT at 16 streams), and every request's bytes are built (the
     prompt's tokenization alone cost ~3 ms a stream, spacing the sends)."""
-    done: list[tuple[float, float, int]] = []
     connections = [Connection("127.0.0.1", port, headers) for _ in range(num_streams)]
     try:
-        return await _timed_round(connections, num_streams, args, encode, round_id, new_tokens, done)
+        return await _timed_round(connections, args, encode, round_id, new_tokens)
     finally:
         for connection in connections:
             await connection.close()
 
 
-async def _timed_round(connections: list[Connection], num_streams: int, args: argparse.Namespace, encode,  # noqa: ANN001
-                       round_id: str, new_tokens: int | None, done: list[tuple[float, float, int]]) -> dict[str, float]:
+async def _timed_round(connections: list[Connection], args: argparse.Namespace, encode,  # noqa: ANN001
+                       round_id: str, new_tokens: int | None) -> dict[str, float]:
+    done: list[tuple[float, float, int]] = []
+    num_streams = len(connections)
     for connection in connections:
         await connection.open()
     model = (await connections[0].get_json("/v1/models"))["data"][0]["id"]
