@@ -218,7 +218,9 @@ async def _let_a_burst_in(inbox: MemoryObjectReceiveStream[Envelope[Submit]], wi
     once the server has parsed it (~0.3 ms each on the 2-core machine): planned at the first, the
     step ran that prompt alone and the rest waited out the whole step (~50 ms more TTFT for 15 of
     16 streams, docs/BENCHMARKS.md)."""
-    for _ in range(BURST_MAX_WINDOWS if window_s > 0 else 0):
+    if not window_s:
+        return
+    for _ in range(BURST_MAX_WINDOWS):
         queued = inbox.statistics().current_buffer_used
         await anyio.sleep(window_s)
         if inbox.statistics().current_buffer_used == queued:
