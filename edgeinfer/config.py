@@ -186,9 +186,9 @@ class RuntimeConfig:
     share_cpu: bool = True
     # Added to the niceness of the thread that runs the steps (and so of its OpenMP threads,
     # which inherit it; Linux only). A step keeps every core busy, and a local client or the
-    # server's own event loop woken beside it waits for a time slice: with an httpx client the
-    # first token's way from the server's write to the client's read took 3.2-8.2 ms (median
-    # 4.0) at equal priority, 3.2-5.9 (median 3.6) niced (docs/BENCHMARKS.md). 0: the
+    # server's own event loop woken beside it waits for a time slice: with an httpx client what
+    # the HTTP path added to a request's TTFT was 3.9-8.3 ms (medians of 3 runs) at equal
+    # priority, 3.4-4.4 niced (tools/bench_http_overhead.py, docs/BENCHMARKS.md). 0: the
     # process's own priority.
     compute_nice: int = 5
     block_size: int = 16

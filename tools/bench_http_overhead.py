@@ -1,0 +1,126 @@
+"""What the HTTP path adds to one request's TTFT: `edgeinfer serve` in a subprocess, --requests
+streaming completions one after another, each timed at the client (send to first token) and by
+the server itself (the final chunk's `timings.ttft_s`, arrival at the engine to first token); the
+difference is the HTTP path's share: the request's parse before the engine sees it, the first
+chunk's way out and the client's read.
+
+--client httpx reads through httpx (what the openai SDK uses); --client lean through
+tools/bench_http.py. --compute-nice is passed to the server (RuntimeConfig.compute_nice), so
+alternated invocations show what the compute threads' priority does to a client's read.
+
+    python tools/bench_http_overhead.py --client httpx --compute-nice 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import free_port, wait_healthy  # noqa: E402
+from bench_http import Connection  # noqa: E402
+from bench_serving import prompt_ids  # noqa: E402
+
+from edgeinfer.config import RuntimeConfig  # noqa: E402
+from edgeinfer.models.loader import load_model  # noqa: E402
+from edgeinfer.models.pull import default_model_path  # noqa: E402
+
+
+async def httpx_request(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str]) -> tuple[float, dict]:
+    """(client TTFT s, timings) of one streamed request through httpx."""
+    sent, first, timings = time.perf_counter(), None, {}
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                first = first or time.perf_counter()
+                if '"timings"' in line:
+                    timings = json.loads(line[6:])["timings"]
+    assert first is not None and timings, "no token or no timings"
+    return first - sent, timings
+
+
+async def lean_request(connection: Connection, request: bytes) -> tuple[float, dict]:
+    sent, first, timings = time.perf_counter(), None, {}
+    connection.write(request)
+    async for data in connection.events():
+        if data.startswith(b"{"):
+            first = first or time.perf_counter()
+            if b'"timings"' in data:
+                timings = json.loads(data)["timings"]
+    assert first is not None and timings, "no token or no timings"
+    return first - sent, timings
+
+
+async def measure(port: int, headers: dict[str, str], args: argparse.Namespace, encode) -> list[tuple[float, float]]:  # noqa: ANN001
+    """(client TTFT, server TTFT) per request, the first two (warm-up) left out."""
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    client = httpx.AsyncClient(timeout=600)
+    connection = Connection("127.0.0.1", port, headers)
+    await connection.open()
+    try:
+        model = (await connection.get_json("/v1/models"))["data"][0]["id"]
+        rows = []
+        for i in range(args.requests + 2):
+            body = {"model": model, "prompt": prompt_ids(encode, f"{time.time()}-{i}", args.prompt_tokens),
+                    "max_tokens": args.new_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            if args.client == "httpx":
+                ttft, timings = await httpx_request(client, url, body, headers)
+            else:
+                request = connection.request_bytes("POST", "/v1/completions", body)
+                ttft, timings = await lean_request(connection, request)
+            rows.append((ttft, timings["ttft_s"]))
+        return rows[2:]
+    finally:
+        await client.aclose()
+        await connection.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=default_model_path(), type=Path, help="GGUF file (default: the default model)")
+    p.add_argument("--client", default="lean", choices=("lean", "httpx"))
+    p.add_argument("--requests", type=int, default=28, help="timed requests, one after another (default: 28)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="server threads (default: one per core)")
+    p.add_argument("--compute-nice", type=int, default=RuntimeConfig.compute_nice)
+    args = p.parse_args()
+    encode = load_model(str(args.model)).tokenizer.encode
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "server.log"
+        cmd = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(args.model), "--port", str(port),
+               "--ctx", str(args.prompt_tokens + args.new_tokens + 16), "--parallel", "4",
+               "--threads", str(args.threads or os.cpu_count()), "--compute-nice", str(args.compute_nice)]
+        with open(log, "w") as out:
+            process = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CONFIG_DIR": tmp}, stdout=out,
+                                       stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/healthz", process, log=log)
+            headers = {"Authorization": f"Bearer {(Path(tmp) / 'token').read_text().strip()}"}
+            rows = anyio.run(measure, port, headers, args, encode)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    client_ms = [c * 1e3 for c, _ in rows]
+    server_ms = [s * 1e3 for _, s in rows]
+    gaps = sorted(c - s for c, s in zip(client_ms, server_ms, strict=True))
+    print(f"{args.model.name}: {len(rows)} requests, client {args.client}, compute-nice {args.compute_nice}: "
+          f"client TTFT {statistics.median(client_ms):.1f} ms, server TTFT {statistics.median(server_ms):.1f} ms, "
+          f"HTTP share median {statistics.median(gaps):.2f} ms (min {gaps[0]:.2f}, max {gaps[-1]:.2f})")
+
+
+if __name__ == "__main__":
+    main()
