@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import time
 from collections import Counter
@@ -73,13 +74,27 @@ class _Uvicorn(uvicorn.Server):
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket; an OSError naming the address when it cannot be had (port in use)."""
+    """The listening socket; an OSError naming the address when it cannot be had (port in use).
+
+    Made with proto IPPROTO_TCP, not socket.create_server's 0: asyncio turns Nagle's algorithm
+    off (TCP_NODELAY) only on connections whose socket says TCP, and accepted sockets copy the
+    listener's proto. With Nagle on, a stream's first token chunk waited behind the response
+    headers for the client's delayed ACK: a 4-token prompt's first token reached the client
+    ~21 ms after the engine had it (docs/BENCHMARKS.md, 2026-11-27)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        return socket.create_server((host.strip("[]"), port), family=family)
+        if os.name != "nt":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen()
     except OSError as exc:
+        sock.close()
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror} "
                       "(another server there? choose another --port)") from exc
+    return sock
 
 
 class Server:
