@@ -51,9 +51,18 @@ class ActorRef(Generic[Msg]):
         self._send = send
 
     async def tell(self, message: Msg) -> None:
-        """Post a message without waiting for its handling (waits only while the mailbox is full)."""
+        """Post a message without waiting for its handling (waits only while the mailbox is full).
+
+        The message is in the mailbox when this returns or first yields: `send` would yield to
+        the event loop before posting, so a burst of requests parsed in one loop pass reached the
+        scheduler one pass late, after it had judged the burst over."""
         try:
-            await self._send.send(Envelope(message))
+            self._send.send_nowait(Envelope(message))
+        except anyio.WouldBlock:
+            try:
+                await self._send.send(Envelope(message))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                raise ActorFailed(f"actor {self.name} is not running") from None
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise ActorFailed(f"actor {self.name} is not running") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import anyio
 import pytest
@@ -72,6 +73,23 @@ async def test_tell_ask_and_failure_reply() -> None:
                     await ref.ask(-1)  # the asker is answered before the actor dies
     assert seen == [1, 3]
     assert "negative" in repr(err.value)
+
+
+async def test_tell_posts_before_it_yields() -> None:
+    """A told message is in the mailbox before tell first yields to the event loop (a burst of
+    submissions parsed in one loop pass must all be there when the scheduler next looks), and a
+    full mailbox still makes tell wait."""
+    ref, inbox = mailbox("box", 1)
+    with inbox:
+        told = ref.tell("first")
+        with pytest.raises(StopIteration):
+            told.send(None)  # ran to completion without yielding
+        assert inbox.receive_nowait().message == "first"
+        with pytest.raises(StopIteration):
+            ref.tell("fills").send(None)
+        waiting = ref.tell("waits")
+        waiting.send(None)  # suspended: the mailbox is full
+        waiting.close()
 
 
 async def test_engine_streams_and_stats() -> None:
@@ -260,3 +278,25 @@ async def test_requests_sent_together_share_an_idle_engines_first_step(window_s:
     assert steps[0] == [11, 11, 11, 11] if window_s else len(steps[0]) < 4, steps
     with pytest.raises(ValueError, match="burst_window_s must be in"):
         SchedulerConfig(burst_window_s=-1.0)
+
+
+async def test_a_burst_window_the_loop_overran_does_not_end_the_burst() -> None:
+    """A request parsed while the loop is blocked past the window (a server handling the rest of a
+    burst, the process descheduled) still joins the first step, though it is submitted only some
+    loop passes after the window's timer fell due."""
+    steps: list[int] = []
+    runner = FakeRunner(num_blocks=64, on_step=lambda chunks: steps.append(len(chunks)))
+    engine = fake_engine(runner, max_num_batched_tokens=64, burst_window_s=0.0005)
+
+    async def busy_then_submit() -> None:
+        await anyio.lowlevel.checkpoint()  # after the first submission
+        time.sleep(0.01)  # blocks the loop past the window and BURST_OVERRUN_S
+        for _ in range(3):
+            await anyio.lowlevel.checkpoint()
+        await collect(engine, GenerateRequest("late", prompt="hello there", params=greedy(3)))
+
+    with anyio.fail_after(10):
+        async with engine, anyio.create_task_group() as tg:
+            tg.start_soon(collect, engine, GenerateRequest("first", prompt="hello there", params=greedy(3)))
+            tg.start_soon(busy_then_submit)
+    assert steps[0] == 2, steps
