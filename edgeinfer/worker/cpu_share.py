@@ -11,7 +11,10 @@ thread, 85.1 and 42.8. A desktop daemon shares its cores with whatever the user 
 CpuShare, which the model actor calls before each CPU step, reads how busy the cores this
 process may run on were over the last quarter second (/proc/stat, a hypervisor's steal time
 included), takes away this process's own CPU time, and runs the steps on the cores the rest
-leaves free: at least one, at most the threads configured. A lower libgomp spin count
+leaves free: at least one, at most the threads configured. After the engine was idle for a while
+(STALE_S) the first step keeps the thread count and only starts a new window: averaged over the
+idle time, the load said nothing about now (beside a benchmark's other server, whose rounds fell
+in the idle time, the next round started on one thread). A lower libgomp spin count
 (GOMP_SPINCOUNT=1000) was measured as the alternative: 38 tok/s beside two busy loops, but
 10-15% slower on an idle machine (docs/BENCHMARKS.md, "Sharing the CPU").
 """
@@ -30,6 +33,9 @@ import torch
 log = logging.getLogger(__name__)
 
 WINDOW_S = 0.25  # how often the share is measured: /proc/stat counts in 10 ms ticks
+# A baseline older than this dates from before the engine went idle: the load it averages is
+# history (another program's burst that has ended), so the window starts afresh instead.
+STALE_S = 4 * WINDOW_S
 SLACK = 0.3  # cores of other work tolerated (kernel threads, a terminal) before a thread is given up
 PROC_STAT = Path("/proc/stat")
 
@@ -91,7 +97,7 @@ class CpuShare:
             self._measurable = False
             return self.threads
         own = self._own_cpu()
-        if self._last is not None:
+        if self._last is not None and now - self._last[0] <= STALE_S:
             then, busy_then, own_then = self._last
             others = max(0.0, (busy - busy_then) - (own - own_then)) / (now - then)
             wanted = threads_for(others, self.max_threads)

@@ -71,6 +71,25 @@ def test_share_follows_other_programs_in_windows() -> None:
     assert share.adjust() == 2 and calls == [1, 2]
 
 
+def test_a_window_that_spans_an_idle_spell_is_not_judged() -> None:
+    """After the engine was idle, the load averaged since its last step is history: the first
+    step keeps its threads and starts a new window, which is judged as usual."""
+    c, calls = Clock(), []
+    share = CpuShare(read_busy=lambda: c.busy, own_cpu=lambda: c.own, clock=lambda: c.now,
+                     set_threads=calls.append, get_threads=lambda: 2)
+    share.adjust()
+    c.advance(0.3, ours=2.0, others=0.0)
+    assert share.adjust() == 2
+    c.advance(5.0, ours=0.0, others=1.5)  # idle; another program ran, then stopped
+    assert share.adjust() == 2 and calls == []
+    c.advance(0.3, ours=2.0, others=0.0)
+    assert share.adjust() == 2 and calls == []
+    c.advance(5.0, ours=0.0, others=0.0)  # idle again; now a program is busy
+    assert share.adjust() == 2
+    c.advance(0.3, ours=1.0, others=1.0)
+    assert share.adjust() == 1 and calls == [1]
+
+
 def test_share_keeps_the_configured_threads_without_proc_stat() -> None:
     calls: list[int] = []
     share = CpuShare(read_busy=lambda: None, set_threads=calls.append, get_threads=lambda: 2)
@@ -87,7 +106,7 @@ def test_busy_loops_on_every_core_leave_one_thread_and_their_end_gives_the_cores
     share.adjust()
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
-        time.sleep(1.0)  # the window: the interpreters start, then spin
+        time.sleep(0.7)  # the window (within cpu_share.STALE_S): the interpreters start, then spin
         assert share.adjust() == 1
     finally:
         for loop in loops:
