@@ -17,15 +17,18 @@ ready before its round's clock starts. Reported per target and N: aggregate deco
 after each stream's first, over the span from the first first token to the last token), p50/p95
 TTFT and TPOT, and the speedup over one stream. With --runs R the targets alternate R times
 (this machine is shared: the spread matters); the summary gives median (min-max) per figure and
-ratios of each target to the first.
+ratios of each target to the first. --paired (engine and openai only) keeps both up and runs
+their rounds back to back, so each ratio compares rounds seconds apart (see run_paired).
 
     eval "$(tools/build_llama_cpp.sh)"   # for the llama.cpp targets
     python tools/bench_serving.py --target engine openai llama-server --streams 1 4 16 --runs 3
+    python tools/bench_serving.py --target engine openai --paired --streams 1 16 --runs 10
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -53,6 +57,7 @@ from edgeinfer.models.loader import load_model  # noqa: E402
 from edgeinfer.models.pull import default_model_path  # noqa: E402
 
 TARGETS = ("engine", "openai", "llama-server", "llama-batched-bench")
+PAIRED_PAUSE_S = 0.6  # between --paired rounds
 FIGURES = ("decode_tok_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")
 
 
@@ -108,7 +113,7 @@ async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespac
     return round_figures(num_streams, done, time.perf_counter() - start)
 
 
-async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float]]:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     runtime = RuntimeConfig(device=args.device, linear_path=args.linear_path, kv_dtype=args.kv_dtype,
                             cpu_activations=args.cpu_activations, num_threads=args.threads,
                             kv_memory_bytes=args.kv_memory_mib << 20, share_cpu=not args.fixed_threads,
@@ -117,7 +122,11 @@ async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float
                                 max_num_batched_tokens=None if args.token_budget is None
                                 else max(args.token_budget, max(args.streams)),
                                 max_waiting=max(args.streams))
-    async with Engine(EngineConfig(str(args.model), runtime, scheduler)) as engine:
+    return EngineConfig(str(args.model), runtime, scheduler)
+
+
+async def run_engine(args: argparse.Namespace, tag: str) -> list[dict[str, float]]:
+    async with Engine(engine_config(args)) as engine:
         await engine_round(engine, 1, args, f"{tag}-warmup", new_tokens=4)
         return [await engine_round(engine, n, args, f"{tag}-n{n}") for n in args.streams]
 
@@ -179,6 +188,50 @@ async def _timed_round(connections: list[Connection], args: argparse.Namespace, 
 
 
 def run_http(target: str, args: argparse.Namespace, encode, tag: str) -> list[dict[str, float]]:  # noqa: ANN001
+    with served(target, args) as (port, headers):
+        async def rounds() -> list[dict[str, float]]:
+            await http_round(port, headers, 1, args, encode, f"{tag}-warmup", new_tokens=4)
+            return [await http_round(port, headers, n, args, encode, f"{tag}-n{n}") for n in args.streams]
+
+        return anyio.run(rounds)
+
+
+def run_paired(args: argparse.Namespace, encode) -> dict[str, list[list[dict[str, float]]]]:  # noqa: ANN001
+    """--paired: the engine in this process and `edgeinfer serve` both up for the whole
+    invocation, their rounds back to back for each stream count (which goes first alternates per
+    run), so that each engine / openai ratio compares two rounds seconds apart rather than two
+    processes' lifetimes: on this shared machine the speed drifts by +-20% over minutes. Each
+    round starts PAIRED_PAUSE_S after the last, once the other target's threads are quiet. (Their
+    rounds fall in each other's idle time, which RuntimeConfig.share_cpu no longer judges:
+    edgeinfer.worker.cpu_share.STALE_S.)"""
+    results: dict[str, list[list[dict[str, float]]]] = {"engine": [], "openai": []}
+
+    async def rounds(engine: Engine, port: int, headers: dict[str, str]) -> None:
+        await engine_round(engine, 1, args, "warmup", new_tokens=4)
+        await http_round(port, headers, 1, args, encode, "warmup", new_tokens=4)
+        for run in range(args.runs):
+            for rows in results.values():
+                rows.append([])
+            for n in args.streams:
+                for target in ("engine", "openai") if run % 2 == 0 else ("openai", "engine"):
+                    await anyio.sleep(PAIRED_PAUSE_S)
+                    tag = f"r{run}-n{n}-{target}"
+                    row = await (engine_round(engine, n, args, tag) if target == "engine"
+                                 else http_round(port, headers, n, args, encode, tag))
+                    results[target][run].append(row)
+
+    async def main() -> None:
+        with served("openai", args) as (port, headers):
+            async with Engine(engine_config(args)) as engine:
+                await rounds(engine, port, headers)
+
+    anyio.run(main)
+    return results
+
+
+@contextlib.contextmanager
+def served(target: str, args: argparse.Namespace) -> Iterator[tuple[int, dict[str, str]]]:
+    """The target's server in a subprocess, up and healthy: (port, request headers)."""
     port, ctx, parallel = free_port(), args.prompt_tokens + args.new_tokens + 16, max(args.streams)
     threads = str(args.threads or os.cpu_count())
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,12 +252,7 @@ def run_http(target: str, args: argparse.Namespace, encode, tag: str) -> list[di
             wait_healthy(f"http://127.0.0.1:{port}{health}", process, log=log)
             if target == "openai":
                 headers = {"Authorization": f"Bearer {(Path(tmp) / 'token').read_text().strip()}"}
-
-            async def rounds() -> list[dict[str, float]]:
-                await http_round(port, headers, 1, args, encode, f"{tag}-warmup", new_tokens=4)
-                return [await http_round(port, headers, n, args, encode, f"{tag}-n{n}") for n in args.streams]
-
-            return anyio.run(rounds)
+            yield port, headers
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -290,13 +338,23 @@ def main() -> None:
                    help="engine: keep the threads while other programs keep cores busy (RuntimeConfig.share_cpu)")
     p.add_argument("--compute-nice", type=int, default=RuntimeConfig.compute_nice,
                    help="edgeinfer: niceness added to the compute threads (default: %(default)s)")
+    p.add_argument("--paired", action="store_true",
+                   help="engine and openai both up, their rounds back to back per stream count (see run_paired)")
     p.add_argument("--json", action="store_true", help="print every run's rows as JSON too")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if any(t.startswith("llama") for t in args.target) and "LLAMA_CPP_BIN" not in os.environ:
         p.error("LLAMA_CPP_BIN is not set: run `eval \"$(tools/build_llama_cpp.sh)\"` first")
     encode = load_model(str(args.model)).tokenizer.encode
-    results: dict[str, list[list[dict[str, float]]]] = {t: [] for t in args.target}
+    if args.paired:
+        if args.target != ["engine", "openai"]:
+            p.error("--paired compares --target engine openai (in that order)")
+        results = run_paired(args, encode)
+        print(f"{args.model.name}: {args.prompt_tokens}-token prompts, {args.new_tokens} greedy tokens per stream, "
+              f"threads {args.threads or os.cpu_count()}, {args.runs} paired run(s), median (min-max)")
+        print_summary(results, args.streams)
+        return
+    results = {t: [] for t in args.target}
     for run in range(args.runs):
         for target in args.target:
             if target == "engine":
