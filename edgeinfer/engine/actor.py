@@ -57,12 +57,10 @@ class ActorRef(Generic[Msg]):
         the event loop before posting, so a burst of requests parsed in one loop pass reached the
         scheduler one pass late, after it had judged the burst over."""
         try:
-            self._send.send_nowait(Envelope(message))
-        except anyio.WouldBlock:
             try:
+                self._send.send_nowait(Envelope(message))
+            except anyio.WouldBlock:
                 await self._send.send(Envelope(message))
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                raise ActorFailed(f"actor {self.name} is not running") from None
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             raise ActorFailed(f"actor {self.name} is not running") from None
 

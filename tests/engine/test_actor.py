@@ -300,3 +300,27 @@ async def test_a_burst_window_the_loop_overran_does_not_end_the_burst() -> None:
             tg.start_soon(collect, engine, GenerateRequest("first", prompt="hello there", params=greedy(3)))
             tg.start_soon(busy_then_submit)
     assert steps[0] == 2, steps
+
+
+async def test_a_lone_request_on_a_starved_loop_waits_out_two_windows_at_most() -> None:
+    """Every window overruns while other work keeps the loop busy; without news only one more
+    window follows an overrun, not all BURST_MAX_WINDOWS of them."""
+    steps: list[int] = []
+    runner = FakeRunner(num_blocks=64, on_step=lambda chunks: steps.append(len(chunks)))
+    engine = fake_engine(runner, max_num_batched_tokens=64, burst_window_s=0.0005)
+    busy_passes = 0
+
+    async def starve() -> None:
+        nonlocal busy_passes
+        while not steps:
+            time.sleep(0.004)  # past the window and BURST_OVERRUN_S
+            busy_passes += 1
+            await anyio.lowlevel.checkpoint()
+
+    with anyio.fail_after(10):
+        async with engine, anyio.create_task_group() as tg:
+            tg.start_soon(collect, engine, GenerateRequest("lone", prompt="hello there", params=greedy(3)))
+            tg.start_soon(starve)
+    # ~3 busy passes per window: all BURST_MAX_WINDOWS took 63, two windows and the step's
+    # dispatch take 9.
+    assert steps[0] == 1 and busy_passes < 25, (steps, busy_passes)
