@@ -56,9 +56,9 @@ async def httpx_request(client: httpx.AsyncClient, url: str, body: dict, headers
     return first - sent, timings
 
 
-async def lean_request(connection: Connection, request: bytes) -> tuple[float, dict]:
-    sent, first, timings = time.perf_counter(), None, {}
-    connection.write(request)
+async def lean_read(connection: Connection, sent: float) -> tuple[float, dict]:
+    """(client TTFT s from ``sent``, timings) of the streamed answer on ``connection``."""
+    first, timings = None, {}
     async for data in connection.events():
         if data.startswith(b"{"):
             first = first or time.perf_counter()
@@ -66,6 +66,12 @@ async def lean_request(connection: Connection, request: bytes) -> tuple[float, d
                 timings = json.loads(data)["timings"]
     assert first is not None and timings, "no token or no timings"
     return first - sent, timings
+
+
+async def lean_request(connection: Connection, request: bytes) -> tuple[float, dict]:
+    sent = time.perf_counter()
+    connection.write(request)
+    return await lean_read(connection, sent)
 
 
 async def websocket_request(client: Client, prompt_ids: list[int], args: argparse.Namespace) -> tuple[float, dict]:
@@ -113,14 +119,8 @@ async def measure(port: int, headers: dict[str, str], args: argparse.Namespace, 
 
 
 async def burst_stream(connection: Connection, sent: float, results: list[tuple[float, float]]) -> None:
-    first, timings = None, {}
-    async for data in connection.events():
-        if data.startswith(b"{"):
-            first = first or time.perf_counter()
-            if b'"timings"' in data:
-                timings = json.loads(data)["timings"]
-    assert first is not None and timings, "no token or no timings"
-    results.append((first - sent, timings["ttft_s"]))
+    ttft, timings = await lean_read(connection, sent)
+    results.append((ttft, timings["ttft_s"]))
 
 
 async def measure_bursts(port: int, headers: dict[str, str], args: argparse.Namespace,
