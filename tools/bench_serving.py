@@ -196,6 +196,20 @@ def run_http(target: str, args: argparse.Namespace, encode, tag: str) -> list[di
         return anyio.run(rounds)
 
 
+def run_alternated(args: argparse.Namespace, encode) -> dict[str, list[list[dict[str, float]]]]:  # noqa: ANN001
+    """--runs runs, each of every target in turn (a process or a server each)."""
+    results: dict[str, list[list[dict[str, float]]]] = {t: [] for t in args.target}
+    for run in range(args.runs):
+        for target in args.target:
+            if target == "engine":
+                results[target].append(anyio.run(run_engine, args, f"r{run}"))
+            elif target == "llama-batched-bench":
+                results[target].append(run_batched_bench(args))
+            else:
+                results[target].append(run_http(target, args, encode, f"r{run}"))
+    return results
+
+
 def run_paired(args: argparse.Namespace, encode) -> dict[str, list[list[dict[str, float]]]]:  # noqa: ANN001
     """--paired: the engine in this process and `edgeinfer serve` both up for the whole
     invocation, their rounds back to back for each stream count (which goes first alternates per
@@ -345,29 +359,17 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if any(t.startswith("llama") for t in args.target) and "LLAMA_CPP_BIN" not in os.environ:
         p.error("LLAMA_CPP_BIN is not set: run `eval \"$(tools/build_llama_cpp.sh)\"` first")
+    if args.paired and args.target != ["engine", "openai"]:
+        p.error("--paired compares --target engine openai (in that order)")
     encode = load_model(str(args.model)).tokenizer.encode
-    if args.paired:
-        if args.target != ["engine", "openai"]:
-            p.error("--paired compares --target engine openai (in that order)")
-        results = run_paired(args, encode)
-        print(f"{args.model.name}: {args.prompt_tokens}-token prompts, {args.new_tokens} greedy tokens per stream, "
-              f"threads {args.threads or os.cpu_count()}, {args.runs} paired run(s), median (min-max)")
-        print_summary(results, args.streams)
-        return
-    results = {t: [] for t in args.target}
-    for run in range(args.runs):
-        for target in args.target:
-            if target == "engine":
-                rows = anyio.run(run_engine, args, f"r{run}")
-            elif target == "llama-batched-bench":
-                rows = run_batched_bench(args)
-            else:
-                rows = run_http(target, args, encode, f"r{run}")
-            results[target].append(rows)
-            if args.json:
-                print(json.dumps({"target": target, "run": run, "rows": rows}), flush=True)
+    results = run_paired(args, encode) if args.paired else run_alternated(args, encode)
+    if args.json:
+        for target, runs in results.items():
+            for run, rows in enumerate(runs):
+                print(json.dumps({"target": target, "run": run, "rows": rows}))
     print(f"{args.model.name}: {args.prompt_tokens}-token prompts, {args.new_tokens} greedy tokens per stream, "
-          f"threads {args.threads or os.cpu_count()}, {args.runs} alternated run(s), median (min-max)")
+          f"threads {args.threads or os.cpu_count()}, {args.runs} {'paired' if args.paired else 'alternated'} "
+          "run(s), median (min-max)")
     print_summary(results, args.streams)
 
 
