@@ -310,8 +310,10 @@ class SchedulerConfig:
     mailbox_size: int = 1024  # scheduler actor inbox bound (submissions wait when it is full)
     # An idle engine's first submission waits in windows of this many seconds while more keep
     # arriving, so requests sent together share the first step (engine/scheduler_actor.py
-    # `_let_a_burst_in`); a lone request pays one window. 0: plan at the first submission (a
-    # front end with one request at a time: generate, bench).
+    # `_let_a_burst_in`); a lone request pays one window (on asyncio ~1.1 ms: its epoll wait
+    # rounds up to whole milliseconds, and a 16-request burst needed that margin,
+    # docs/BENCHMARKS.md). 0: plan at the first submission (a front end with one request at a
+    # time: generate, bench).
     burst_window_s: float = 0.0005
     # Speculative decoding for decoding sequences: "off", "ngram" (prompt lookup) or "draft" (a
     # draft model, which the engine then loads beside the target): up to max_draft_tokens drafts

@@ -29,7 +29,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import anyio
-import anyio.lowlevel
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -232,23 +231,13 @@ async def _let_a_burst_in(inbox: MemoryObjectReceiveStream[Envelope[Submit]], wi
     for _ in range(BURST_MAX_WINDOWS):
         queued = inbox.statistics().current_buffer_used
         start = anyio.current_time()
-        await _pass(window_s)
+        await anyio.sleep(window_s)
         if inbox.statistics().current_buffer_used != queued:
             grace = True
         elif grace and anyio.current_time() - start > window_s + BURST_OVERRUN_S:
             grace = False
         else:
             return
-
-
-async def _pass(window_s: float) -> None:
-    """Let the event loop run for ``window_s``. Not anyio.sleep: asyncio's epoll wait rounds a
-    timeout up to whole milliseconds, so a 0.5 ms window took ~1.1 ms, added to the TTFT of every
-    request that finds the engine idle (measured +1.0-1.3 ms). Each pass of the loop polls its
-    sockets and runs what is ready; the engine is idle, so the passes cost nothing else."""
-    deadline = anyio.current_time() + window_s
-    while anyio.current_time() < deadline:
-        await anyio.lowlevel.checkpoint()
 
 
 def _send_final(stream: MemoryObjectSendStream[Event], event: Event) -> None:
