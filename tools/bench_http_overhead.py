@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,9 +30,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import free_port, wait_healthy  # noqa: E402
 from bench_http import Connection  # noqa: E402
-from bench_serving import prompt_ids  # noqa: E402
+from bench_serving import prompt_ids, served  # noqa: E402
 
 from edgeinfer.config import RuntimeConfig  # noqa: E402
 from edgeinfer.models.loader import load_model  # noqa: E402
@@ -169,22 +165,11 @@ def main() -> None:
     if args.burst > 1 and args.client != "lean":
         p.error("--burst needs --client lean")
     encode = load_model(str(args.model)).tokenizer.encode
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "server.log"
-        cmd = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(args.model), "--port", str(port),
-               "--ctx", str(args.prompt_tokens + args.new_tokens + 16), "--parallel", str(max(4, args.burst)),
-               "--threads", str(args.threads or os.cpu_count()), "--compute-nice", str(args.compute_nice)]
-        with open(log, "w") as out:
-            process = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CONFIG_DIR": tmp}, stdout=out,
-                                       stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}/healthz", process, log=log)
-            headers = {"Authorization": f"Bearer {(Path(tmp) / 'token').read_text().strip()}"}
-            rows = anyio.run(measure, port, headers, args, encode)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    # The server as bench_serving starts it, its --parallel room for a burst.
+    server = argparse.Namespace(**vars(args), streams=[max(4, args.burst)], linear_path="auto", kv_dtype="auto",
+                                cpu_activations=RuntimeConfig.cpu_activations)
+    with served("openai", server) as (port, headers):
+        rows = anyio.run(measure, port, headers, args, encode)
     client_ms = [c * 1e3 for c, _ in rows]
     server_ms = [s * 1e3 for _, s in rows]
     gaps = sorted(c - s for c, s in zip(client_ms, server_ms, strict=True))
