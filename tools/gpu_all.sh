@@ -61,7 +61,7 @@ for s in $STAGES; do
         # (jsonschema, openai, ...) and would end the stage with collection errors.
         workers=()
         "$PY" -c "import xdist" 2>/dev/null && workers=(-n "${TESTS_WORKERS:-8}")
-        stage tests "${TESTS_S:-180}" "$PY" -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -rs --durations=25 \
+        stage tests "${TESTS_S:-240}" "$PY" -m pytest -o addopts="" -p no:cacheprovider -m gpu -v -rs --durations=25 \
             "${workers[@]}" $(grep -rl "mark.gpu" tests) >"$OUT/pytest.log" 2>&1 ;;
     gemm)
         stage gemm "${GEMM_S:-120}" "$PY" tools/bench_gemm.py --json --cudagraph \
