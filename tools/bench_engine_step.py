@@ -1,7 +1,7 @@
 """Where one decode step of the engine goes, at one stream or many, and why the compute thread matters.
 
-1. `step`: the default model through `Engine` (--streams requests of 256-token prompts,
-   --new-tokens greedy tokens, --runs runs), the steps where every stream decodes one token:
+1. `step`: the default model through `Engine` (--streams requests of --prompt-tokens tokens,
+   256 by default, --new-tokens greedy tokens, --runs runs), the steps where every stream decodes one token:
    median time from a step's start to the next one's, of which the model forward
    (ModelRunner.logits), the rest of the model actor's step (batch, sampling, result), and the
    scheduler's schedule + postprocess; what is left is the event loop (mailboxes, event
@@ -15,7 +15,8 @@
 Wraps the engine's internals with timers (private attributes): a measurement tool, not an API.
 
     python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
-                                      [--streams 16] [--cpu-activations auto|int16|int8|int8x2|bf16]
+                                      [--streams 16] [--prompt-tokens 256]
+                                      [--cpu-activations auto|int16|int8|int8x2|bf16]
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, streams: int = 1,
-                         cpu_activations: str = RuntimeConfig.cpu_activations) -> None:
+                         cpu_activations: str = RuntimeConfig.cpu_activations, prompt_tokens: int = 256) -> None:
     runtime = RuntimeConfig(num_kv_blocks=64 * streams, cpu_activations=cpu_activations)
     config = EngineConfig(str(default_model_path()), runtime, SchedulerConfig())
     async with Engine(config) as engine:
@@ -78,7 +79,8 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
         scheduler.postprocess = timed(plan, scheduler.postprocess)
         text = "Once upon a time, in a land far away, there lived a king. " * 40
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-        print(f"{streams} stream(s), cpu activations {cpu_activations}{', per-op forward' if per_op else ''}")
+        print(f"{streams} stream(s) of {prompt_tokens}-token prompts, cpu activations {cpu_activations}"
+              f"{', per-op forward' if per_op else ''}")
         print("run  decode steps  step ms  forward ms  actor rest ms  schedule+post ms  outside the forward")
         for run in range(runs):
             for record in (forward, steps, plan):
@@ -86,7 +88,7 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
 
             async def one(i: int, run: int = run) -> None:
                 # Each stream its own prompt (a distinct first word), so no prefix is shared.
-                prompt = tuple(engine.tokenizer.encode(f"{i} {run} {text}"))[:256]
+                prompt = tuple(engine.tokenizer.encode(f"{i} {run} {text}"))[:prompt_tokens]
                 request = GenerateRequest(f"r{run}-{i}", prompt_token_ids=prompt, params=params)
                 async for _ in engine.generate(request):
                     pass
@@ -144,12 +146,14 @@ def main() -> int:
     parser.add_argument("--per-op", action="store_true",
                         help="step: the per-op forward instead of the fused C++ step (its cost)")
     parser.add_argument("--streams", type=int, default=1, help="step: concurrent requests (default: 1)")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="step: each request's prompt (at most 600)")
     parser.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations)
     args = parser.parse_args()
     if args.what in ("threads", "all"):
         gemm_on_threads()
     if args.what in ("step", "all"):
-        asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations))
+        asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
+                                 args.prompt_tokens))
     return 0
 
 

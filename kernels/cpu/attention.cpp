@@ -287,7 +287,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   const int64_t items = pairs * parts;  // (sequence, KV head, part): one partial softmax each
   std::vector<float> part_m(items * group), part_l(items * group), part_o(items * group * head_dim);
   // Claimed in chunks: sequences' contexts differ in length, so equal counts of units are not equal work.
-  edgeinfer_cpu::balanced_for(0, units, std::max<int64_t>(1, units / (4 * at::get_num_threads())), [&](int64_t u0, int64_t u1) {
+  edgeinfer_cpu::balanced_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> scores;
     std::vector<int64_t> rows;  // element offset of each context token's (K or V) row of KV head 0
     std::vector<int64_t> srows;  // int8 caches: index of each token's scale for KV head 0 (slot * Hkv)
