@@ -153,10 +153,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           isa: str = "") -> torch.Tensor:
     """fp32 (S, Hq, D): one query token per sequence over plain (blocks, block_size, Hkv, D)
-    caches, read through int32 block tables up to int32 context lengths."""
-    return torch.ops.edgeinfer_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    caches, read through int32 block tables up to int32 context lengths. ``isa``: "avx2",
+    "avx512" or "" (the widest this CPU runs, as the fused step uses)."""
+    return torch.ops.edgeinfer_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, isa)
+
+
+def attention_isa_supported(isa: str) -> bool:
+    """Whether this CPU runs paged_decode_attention's ``isa`` loops ("avx2" or "avx512")."""
+    return bool(torch.ops.edgeinfer_cpu.attention_isa_supported(isa))
 
 
 def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor,

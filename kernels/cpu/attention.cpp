@@ -1,6 +1,7 @@
 // Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16) or, for
 // decode_layers, quantized ones (int8 with a scale per token and head, int4 with a scale and
-// zero per 32 channels), for AVX2 CPUs.
+// zero per 32 channels), for AVX2 CPUs; plain caches' inner loops on AVX-512 where the CPU has it
+// (attention_avx512.cpp: at 16 sequences of 300 tokens, fp16, 2 threads, ~2x).
 //
 // Op torch.ops.edgeinfer_cpu.paged_decode_attention; kernels.paged_attention calls it on the
 // CPU and its torch path is the reference. One query token per sequence, q head h reads KV head
@@ -22,9 +23,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "attention_avx512.h"
 #include "ops.h"
 #include "parallel.h"
 #include "simd.h"
@@ -113,6 +116,16 @@ void head_passes(int64_t g, const F& run) {
   }
 }
 
+// Plain caches, which the AVX-512 loops (attention_avx512.cpp) read where the CPU has them.
+template <typename T>
+constexpr bool kPlain = std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+template <typename T>
+constexpr edgeinfer_cpu::KvType kv_type() {
+  if constexpr (std::is_same_v<T, float>) return edgeinfer_cpu::KvType::kF32;
+  else if constexpr (std::is_same_v<T, c10::Half>) return edgeinfer_cpu::KvType::kF16;
+  else return edgeinfer_cpu::KvType::kBF16;
+}
+
 // The fp16 scales (and int4 zeros) of quantized caches, null for plain ones. int8: one scale per
 // (token, head), at srow = slot * Hkv + h; int4: a scale and a zero per 32 channels of each
 // (token, head), at srow * head_dim / 32.
@@ -165,16 +178,21 @@ float softmax_numerators(float* scores, int64_t len, float* m_out, float softcap
 // row offsets in `rows`, scale indices in `srows`): per head j the largest score m[j], the sum of
 // exp(score - max) l[j] and the unnormalised value sum o + j * head_dim. `scores` must hold
 // g * (len + 8) floats. int8 caches: a key's scale multiplies its score, a value's its softmax
-// weight (after the sum l).
+// weight (after the sum l). `wide`: plain caches through the AVX-512 loops.
 template <typename T>
 void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache, const int64_t* rows,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
-                  float* o, const KvScales& sc, float softcap) {
+                  float* o, const KvScales& sc, float softcap, bool wide) {
   const int64_t stride = len + 8;
-  head_passes(g, [&](int64_t j0, auto heads) {
-    key_scores<decltype(heads)::value>(q + j0 * head_dim, k_cache, rows, len, head_dim, scale, scores + j0 * stride,
-                                       stride);
-  });
+  if constexpr (kPlain<T>) {
+    if (wide) edgeinfer_cpu::key_scores_avx512(q, g, k_cache, kv_type<T>(), rows, len, head_dim, scale, scores, stride);
+  }
+  if (!wide) {
+    head_passes(g, [&](int64_t j0, auto heads) {
+      key_scores<decltype(heads)::value>(q + j0 * head_dim, k_cache, rows, len, head_dim, scale, scores + j0 * stride,
+                                         stride);
+    });
+  }
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * stride;
     if (sc.k_scale != nullptr) {
@@ -185,12 +203,17 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
       for (int64_t t = 0; t < len; ++t) sj[t] *= static_cast<float>(sc.v_scale[srows[t]]);
     }
   }
-  head_passes(g, [&](int64_t j0, auto heads) {
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
-      weighted_values<decltype(heads)::value>(scores + j0 * stride, stride, v_cache, rows, len, d0, head_dim,
-                                              o + j0 * head_dim);
-    }
-  });
+  if constexpr (kPlain<T>) {
+    if (wide) edgeinfer_cpu::weighted_values_avx512(scores, stride, g, v_cache, kv_type<T>(), rows, len, head_dim, o);
+  }
+  if (!wide) {
+    head_passes(g, [&](int64_t j0, auto heads) {
+      for (int64_t d0 = 0; d0 < head_dim; d0 += 8) {
+        weighted_values<decltype(heads)::value>(scores + j0 * stride, stride, v_cache, rows, len, d0, head_dim,
+                                                o + j0 * head_dim);
+      }
+    });
+  }
 }
 
 // 8 int4 codes (4 bytes: channel 2i in the low nibble of byte i, 2i + 1 in the high) as floats.
@@ -268,7 +291,7 @@ constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not wo
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, float scale, float* out, const KvScales& sc, int64_t window, float softcap) {
+            int64_t block_size, float scale, float* out, const KvScales& sc, int64_t window, float softcap, bool wide) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
@@ -339,7 +362,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         } else {
           scores.resize(group * (t_end - t_begin + 8));
           attend_group(qh, group, k_cache + h * head_dim, v_cache + h * head_dim, rows.data(), srows.data(),
-                       t_end - t_begin, head_dim, scale, scores.data(), m, l, o, hs, softcap);
+                       t_end - t_begin, head_dim, scale, scores.data(), m, l, o, hs, softcap, wide);
         }
       }
     }
@@ -367,19 +390,38 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   }
 }
 
+// AVX512F, with the OS saving zmm state (GCC's check reads XCR0 too).
+bool avx512_supported() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return has;
+}
+
+// Which loops run: "avx2", "avx512" (an error where the CPU lacks it), or "" for the widest this
+// CPU has. Plain caches only take the AVX-512 loops, for head_dim a multiple of 16 up to 256.
+bool wide_loops(const std::string& isa, const at::Tensor& k_cache, int64_t head_dim) {
+  TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "avx512", "unknown attention isa '", isa,
+              "' (expected avx2, avx512 or empty for this CPU's widest)");
+  TORCH_CHECK(isa != "avx512" || avx512_supported(), "this CPU cannot run the avx512 attention loops");
+  return isa != "avx2" && avx512_supported() && k_cache.is_floating_point() && head_dim % 16 == 0 && head_dim <= 256;
+}
+
 // decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size. int8 caches
 // come with their fp16 scales (blocks, block_size, Hkv), int4 ones (two codes per byte) with
 // scales and zeros (blocks, block_size, Hkv, D / 32); plain ones with undefined tensors.
 void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
                 const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero, const int32_t* tables,
                 int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale,
-                float* out, int64_t window = 0, float softcap = 0.0f) {
+                float* out, int64_t window = 0, float softcap = 0.0f, const std::string& isa = "") {
   const bool int4 = k_cache.scalar_type() == at::kByte;
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t head_dim = int4 ? 2 * k_cache.size(3) : k_cache.size(3);
+  const bool wide = wide_loops(isa, k_cache, head_dim);
   const auto run = [&](auto* k, auto* v, const KvScales& sc = {}) {
     decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, sc,
-           window, softcap);
+           window, softcap, wide);
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
@@ -399,7 +441,8 @@ void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_c
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  const std::string& isa) {
   TORCH_CHECK(q_in.dim() == 3, "q must be (S, Hq, D)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k and v caches must be (blocks, block_size, Hkv, D) of one dtype");
@@ -423,7 +466,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.is_floating_point(), "this op reads plain caches (fp32, bf16, fp16)");
   decode_any(q.data_ptr<float>(), k_cache, v_cache, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
              tables.data_ptr<int32_t>(), tables.size(1), len_ptr, num_seqs, num_heads, static_cast<float>(scale),
-             out.data_ptr<float>());
+             out.data_ptr<float>(), 0, 0.0f, isa);
   return out;
 }
 
@@ -440,7 +483,11 @@ void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, 
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, str isa=\"\") -> Tensor");
+  m.def("attention_isa_supported(str isa) -> bool", [](const std::string& isa) {
+    TORCH_CHECK(isa == "avx2" || isa == "avx512", "unknown attention isa '", isa, "' (expected avx2 or avx512)");
+    return isa == "avx2" || avx512_supported();
+  });
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

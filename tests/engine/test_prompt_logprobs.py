@@ -140,4 +140,7 @@ def test_eval_ppl_scores_the_checkpoint_on_every_path(default_model_path, tmp_pa
         args = ["--text", str(text), "--tokens", "384", "--window", "192", "--linear-path", path]
         assert eval_ppl_main([str(default_model_path), *args]) == 0
         figures.append(float(capsys.readouterr().out.split()[1]))
-    assert figures[1] == pytest.approx(figures[0], rel=1e-3)
+    # Apart by rounding only: the int4 CPU path rounds prompt activations to bf16, so any fp32
+    # reordering upstream moves its figure by ~0.1% (AVX-512 attention loops: 2.9574 -> 2.9600
+    # against the reference's 2.9561); the served head's error this guards against is 1.3%.
+    assert figures[1] == pytest.approx(figures[0], rel=3e-3)

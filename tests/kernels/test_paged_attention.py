@@ -203,6 +203,35 @@ def test_prefill_then_decode_agree_on_the_same_token():
     torch.testing.assert_close(decode, prefill[last], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (5, 80), (8, 48), (4, 128), (2, 256)])
+def test_cpu_op_loops_match_reference(isa, dtype, group, head_dim):
+    # The C++ op's AVX2 and AVX-512 inner loops, each forced: keys in blocks of 16 (the AVX-512
+    # scores) with short last blocks, head groups past 4, channels past 64, a 1-token context.
+    if not cpu_ops.attention_isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    lens = [1, 15, 16, 17, 70, 301]
+    pool, tables = build(dtype, dtype, head_dim, 2, lens, seed=group * head_dim)
+    q = _q((len(lens), 2 * group, head_dim), seed=2)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    kc, vc = pool.k_caches[LAYER].data, pool.v_caches[LAYER].data
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, context_lens, scale, isa)
+    ref = paged_decode_attention_reference(q, pool, LAYER, tables, context_lens, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+def test_cpu_op_names_an_unknown_isa():
+    pool, tables = build("fp16", "fp16", 64, 2, [5])
+    kc, vc = pool.k_caches[LAYER].data, pool.v_caches[LAYER].data
+    with pytest.raises(RuntimeError, match="unknown attention isa 'sse4'"):
+        cpu_ops.paged_decode_attention(torch.randn(1, 2, 64), kc, vc, tables, torch.tensor([5], dtype=torch.int32),
+                                       1.0, "sse4")
+
+
 def test_bad_inputs_raise_clear_errors():
     pool, tables = build("fp16", "fp16", 64, 2, [5])
     with pytest.raises(ValueError, match="q must be"):

@@ -1,0 +1,25 @@
+// The AVX-512 inner loops of CPU decode attention (attention_avx512.cpp), for attention.cpp.
+//
+// Plain data only, like a8_gemm.h: the kernel file switches on AVX-512 with `#pragma GCC target`
+// and includes nothing from ATen or the standard library, so no out-of-line copy of a shared
+// inline function compiled with AVX-512 can end up serving a caller on a CPU without it.
+#pragma once
+
+#include <cstdint>
+
+namespace edgeinfer_cpu {
+
+// The cache element types the AVX-512 loops read (attention.cpp keeps int8 and int4 on AVX2).
+// attention.cpp checks the CPU (AVX512F) before calling them.
+enum class KvType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// scores[j * stride + t] = scale * q_j . K[t] for the g query heads at q (head_dim apart), K[t] the
+// head_dim values at k_cache + rows[t] (elements of `type`). head_dim: a multiple of 16, <= 256.
+void key_scores_avx512(const float* q, int64_t g, const void* k_cache, KvType type, const int64_t* rows, int64_t len,
+                       int64_t head_dim, float scale, float* scores, int64_t stride);
+
+// o[j * head_dim + d] = sum_t p[j * stride + t] * V[t][d] for the g heads, V[t] at v_cache + rows[t].
+void weighted_values_avx512(const float* p, int64_t stride, int64_t g, const void* v_cache, KvType type,
+                            const int64_t* rows, int64_t len, int64_t head_dim, float* o);
+
+}  // namespace edgeinfer_cpu
