@@ -7,15 +7,19 @@
    scheduler's schedule + postprocess; what is left is the event loop (mailboxes, event
    streams, waking on the compute thread). The target (issues #20 and #24, at 1
    and 16 streams): under 10% of the step outside the forward.
-2. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
+2. `forward`: the fused step alone (LlamaModel.forward, no engine): --streams rows decoding one
+   token each after --context cached tokens (fp16 KV), --repeats steps; the fastest tenth and
+   the median, ms. Fewer moving parts than `step` for an A/B of the kernels on a noisy host
+   (run it from a worktree of each commit, alternated).
+3. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
    and built on the main thread but run on a second one: the effect
    `engine.model_actor.compute_thread` exists for (two OpenMP pools on a 2-core machine).
 
 Wraps the engine's internals with timers (private attributes): a measurement tool, not an API.
 
-    python tools/bench_engine_step.py [step|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
-                                      [--streams 16] [--prompt-tokens 256]
+    python tools/bench_engine_step.py [step|forward|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
+                                      [--streams 16] [--prompt-tokens 256] [--context 300] [--repeats 100]
                                       [--cpu-activations auto|int16|int8|int8x2|bf16]
 """
 
@@ -105,6 +109,33 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
                   f"  {sched * 1e3:16.3f}  {(step - fwd) * 1e3:.2f} ms = {(step - fwd) / step:.1%}")
 
 
+def forward_only(rows: int, context: int, repeats: int) -> None:
+    from edgeinfer.models.loader import load_model
+    from edgeinfer.worker.batch import SeqChunk, build_batch
+    from edgeinfer.worker.build import build_model
+    from kernels.kv_pool import KVPool
+
+    model = build_model(load_model(str(default_model_path())), RuntimeConfig())
+    c, block = model.config, 16
+    blocks = (context + repeats) // block + 2
+    pool = KVPool(c.num_layers, blocks * rows + 1, block, c.num_kv_heads, c.head_dim, "fp16", "fp16", "cpu")
+    tables = [tuple(range(i * blocks, (i + 1) * blocks)) for i in range(rows)]
+    times = []
+    with torch.inference_mode():
+        for table in tables:  # the contexts, in prompt chunks the fused step takes
+            for start in range(0, context, 128):
+                chunk = tuple(range(1 + start, 1 + min(context, start + 128)))
+                model.forward(*build_batch([SeqChunk(chunk, start, table)], block, "cpu"), pool)
+        for step in range(repeats):
+            ids, batch = build_batch([SeqChunk((5 + step,), context + step, t) for t in tables], block, "cpu")
+            start = time.perf_counter()
+            model.forward(ids, batch, pool)
+            times.append(time.perf_counter() - start)
+    times.sort()
+    print(f"forward, {rows} row(s) after {context} tokens, {repeats} steps: fastest tenth "
+          f"{times[len(times) // 10] * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
+
+
 def gemm_on_threads() -> None:
     from kernels import cpu_ops
     from quant.formats import quantize_int4
@@ -140,7 +171,7 @@ def gemm_on_threads() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", nargs="?", default="all", choices=("step", "threads", "all"))
+    parser.add_argument("what", nargs="?", default="all", choices=("step", "forward", "threads", "all"))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--per-op", action="store_true",
@@ -148,9 +179,13 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=1, help="step: concurrent requests (default: 1)")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="step: each request's prompt (at most 600)")
     parser.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations)
+    parser.add_argument("--context", type=int, default=300, help="forward: cached tokens per row (default: 300)")
+    parser.add_argument("--repeats", type=int, default=100, help="forward: steps timed (default: 100)")
     args = parser.parse_args()
     if args.what in ("threads", "all"):
         gemm_on_threads()
+    if args.what == "forward":
+        forward_only(args.streams, args.context, args.repeats)
     if args.what in ("step", "all"):
         asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
                                  args.prompt_tokens))

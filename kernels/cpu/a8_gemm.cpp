@@ -140,11 +140,15 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
 // rows rounded up to whole 16-row AMX blocks.
 int64_t amx_rows(int64_t rows) { return (rows + kA8AmxBlock - 1) / kA8AmxBlock * kA8AmxBlock; }
 
-// Tiles of 16 columns over the threads, claimed in shrinking chunks down to one tile; the AMX
-// kernels get the worker's own scratch (`scratch_bytes`, kept between calls, aligned to 64).
+// Tiles of 16 columns over the threads, claimed in shrinking chunks down to about 32 x 576
+// products per column (rows x K): ~1.5 us of AMX work, a tile at 16 two-term rows of the
+// default model; a single row's tiles take ~0.4 us, and claimed one at a time their claims
+// cost more than the wait they save. The AMX kernels get the worker's own scratch
+// (`scratch_bytes`, kept between calls, aligned to 64).
 template <typename Kernel>
-void over_tiles(int64_t tiles, size_t scratch_bytes, const Kernel& kernel) {
-  edgeinfer_cpu::balanced_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+void over_tiles(int64_t tiles, int64_t rows, int64_t k, size_t scratch_bytes, const Kernel& kernel) {
+  const int64_t min_chunk = (32 * 576 + rows * k - 1) / (rows * k);
+  edgeinfer_cpu::balanced_for(0, tiles, min_chunk, [&](int64_t t0, int64_t t1) {
     if (scratch_bytes == 0) return kernel(t0, t1, static_cast<uint8_t*>(nullptr));
     thread_local std::vector<uint8_t> scratch;
     scratch.resize(std::max(scratch.size(), scratch_bytes + 64));
@@ -167,8 +171,9 @@ void bf16_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Ten
                     mins.defined() ? mins.data_ptr() : nullptr, nullptr, reinterpret_cast<const uint8_t*>(xb),
                     nullptr, nullptr, y, m, n, k, group, 1, int4, scales.scalar_type() == at::kHalf,
                     scales.scalar_type() == at::kByte};
-  // The scratch holds a tile dequantized: K x 16 bf16.
-  over_tiles((n + kA8Cols - 1) / kA8Cols, k * 2 * kA8Cols,
+  // The scratch holds a tile dequantized: K x 16 bf16 (that, not the rows, is most of a small
+  // batch's work: the chunks are sized as for 16 rows at least).
+  over_tiles((n + kA8Cols - 1) / kA8Cols, padded, k, k * 2 * kA8Cols,
              [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx_bf16(p, t0, t1, scratch); });
 }
 
@@ -284,13 +289,14 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
                     reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, rows, n, k, group, terms, int4,
                     scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
   if (on_amx) {  // the scratch holds an int4 tile unpacked: K x 16 bytes
-    over_tiles(tiles, k * kA8Cols, [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx(p, t0, t1, scratch); });
+    over_tiles(tiles, rows, k, k * kA8Cols,
+               [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx(p, t0, t1, scratch); });
     return;
   }
   const Kernel kernel = run_isa == "avx512vnni" ? a8_columns_avx512vnni
                         : run_isa == "avxvnni"  ? a8_columns_avxvnni
                                                 : a8_columns_avx2;
-  over_tiles(tiles, 0, [&](int64_t t0, int64_t t1, uint8_t*) { kernel(p, t0, t1); });
+  over_tiles(tiles, rows, k, 0, [&](int64_t t0, int64_t t1, uint8_t*) { kernel(p, t0, t1); });
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
