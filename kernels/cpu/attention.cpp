@@ -1,7 +1,9 @@
 // Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16) or, for
 // decode_layers, quantized ones (int8 with a scale per token and head, int4 with a scale and
 // zero per 32 channels), for AVX2 CPUs; plain caches' inner loops on AVX-512 where the CPU has it
-// (attention_avx512.cpp: at 16 sequences of 300 tokens, fp16, 2 threads, ~2x).
+// (attention_avx512.cpp; tools/bench_cpu_attention.py, fp16, 2 threads, fastest tenth: 16
+// sequences of 300 tokens 163-165 us a layer against 188-189, one of 2048 60-61 against 76-79;
+// the cache is then read at 21-26 GB/s, near this machine's memory rate).
 //
 // Op torch.ops.edgeinfer_cpu.paged_decode_attention; kernels.paged_attention calls it on the
 // CPU and its torch path is the reference. One query token per sequence, q head h reads KV head
