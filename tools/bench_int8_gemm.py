@@ -11,6 +11,11 @@ runs --repeats calls in a row (the median counts); run it with nice, on a quiet 
 
     python tools/bench_int8_gemm.py [--format int4|int8] [--shapes 135m|1.7b] [--m 1 4 16 64 256] [--threads 2]
                                     [--repeats 15] [--terms 1|2]
+
+--layer instead times one decode layer's four a8 GEMMs of the default model (qkv 960 x 576, o 576
+x 576, gate/up 3072 x 576, down 576 x 1536, int4 g32, fp16 scales) in a row at each M on this
+CPU's first int8 ISA, --repeats times, and prints the fastest tenth and the median: the figure
+an A/B of the threading (two worktrees, alternated) reads on a noisy host.
 """
 
 from __future__ import annotations
@@ -68,6 +73,28 @@ def _calls(x: torch.Tensor, a8: cpu_a8.A8Weight, isas: list[str], int16: Callabl
     return calls
 
 
+def layer(ms: list[int], terms: int, repeats: int) -> None:
+    isa = next(isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa))
+    weights = []
+    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+        w = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), 32)
+        weights.append(cpu_a8.prepare_a8(replace(w, scales=w.scales.half(), mins=w.mins.half()), terms))
+    for m in ms:
+        calls = [functools.partial(cpu_a8.a8_linear, torch.randn(m, w.shape[1]), w, isa) for w in weights]
+        for _ in range(20):
+            for call in calls:
+                call()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for call in calls:
+                call()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        print(f"layer GEMMs, M={m}, {terms} term(s), {isa}: fastest tenth {times[len(times) // 10] * 1e6:.0f} us, "
+              f"median {statistics.median(times) * 1e6:.0f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=["int4", "int8"], default="int4")
@@ -76,10 +103,14 @@ def main() -> None:
     parser.add_argument("--terms", type=int, choices=(1, 2), default=1, help="int8 activation terms (2: int8x2)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="135m", help="whose MLP shapes (default: 135m)")
+    parser.add_argument("--layer", action="store_true", help="one decode layer's four GEMMs (see above)")
     args = parser.parse_args()
     if not cpu_ops.available():
         sys.exit("the C++ CPU ops do not build here")
     torch.set_num_threads(args.threads)
+    if args.layer:
+        layer(args.m, args.terms, args.repeats)
+        return
     isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
     bf16 = cpu_a8.isa_supported(cpu_a8.BF16_ISA)
     peaks = {isa: peak_gops(isa, args.threads) for isa in isas}
