@@ -128,8 +128,8 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
     }
   }
   if (group_sums == nullptr) return;
-  // Eight running sums over the group's vectors, then across them: summed one value at a time,
-  // each add waited on the last (~4 cycles a value) and this took ~7% of a 16-stream decode step.
+  // Eight running sums over the group's vectors, then across them, instead of one chain of
+  // dependent scalar adds per group.
   for (int64_t g = 0; g < k / group; ++g) {
     __m256 total = _mm256_loadu_ps(x + g * group);
     for (int64_t i = 8; i < group; i += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(x + g * group + i));
@@ -266,8 +266,8 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   int8_t* xq = xq_buffer.data();
   float* x_scale = scale_buffer.data();
   float* x_gsum = has_mins ? gsum_buffer.data() : nullptr;
-  // Rows over the threads from 8 rows up: serial, a 16-row step's quantization kept the second
-  // thread waiting.
+  // Rows over the threads from 8 rows up: serial, a 16-stream decode step's quantization took
+  // ~7% of the compute thread's time while the other thread waited.
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
     std::vector<float> residual(terms == 2 ? k : 0);  // one row's, consumed at once by its second term
     for (int64_t r = r0; r < r1; ++r) {
