@@ -265,11 +265,12 @@ void gemm_columns(const uint8_t* w, const S* scales, const S* mins, int64_t grou
 template <typename S, bool kInt8, bool kMin, bool kG16>
 void gemm(const uint8_t* w, const S* scales, const S* mins, int64_t group_blocks, const Activations& x, int64_t m,
           int64_t n, float* y) {
-  // Columns split across threads in multiples of kRows, claimed in shrinking chunks of at least
-  // 16 columns; a remainder of rows runs one at a time.
+  // Columns split across threads in multiples of kRows, claimed in shrinking chunks down to a
+  // quarter of a thread's share (at least 16 columns); a remainder of rows runs one at a time.
   constexpr int64_t kRows = 4;
+  const int64_t grain = std::max<int64_t>(16, n / (4 * at::get_num_threads())) / kRows * kRows;
   const int64_t n_tiled = n / kRows * kRows;
-  balanced_for(0, n_tiled / kRows, 16 / kRows, [&](int64_t t0, int64_t t1) {
+  balanced_for(0, n_tiled / kRows, grain / kRows, [&](int64_t t0, int64_t t1) {
     if (m == 1) {
       gemm_columns<kRows, S, kInt8, kMin, kG16>(w, scales, mins, group_blocks, x, m, t0 * kRows, t1 * kRows, y, n);
     } else {
