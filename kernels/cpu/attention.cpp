@@ -1,6 +1,6 @@
 // Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16) or, for
 // decode_layers, quantized ones (int8 with a scale per token and head, int4 with a scale and
-// zero per 32 channels), for AVX2 CPUs; plain caches' inner loops on AVX-512 where the CPU has it
+// zero per 32 channels), for AVX2 CPUs; plain and int8 caches' inner loops on AVX-512 where the CPU has it
 // (attention_avx512.cpp; tools/bench_cpu_attention.py, fp16, 2 threads, fastest tenth: 16
 // sequences of 300 tokens 163-165 us a layer against 188-189, one of 2048 60-61 against 76-79;
 // the cache is then read at 21-26 GB/s, near this machine's memory rate).
@@ -118,14 +118,17 @@ void head_passes(int64_t g, const F& run) {
   }
 }
 
-// Plain caches, which the AVX-512 loops (attention_avx512.cpp) read where the CPU has them.
+// The caches the AVX-512 loops (attention_avx512.cpp) read where the CPU has them: plain ones and
+// int8 codes (not int4).
 template <typename T>
-constexpr bool kPlain = std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kWide = std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16> ||
+                       std::is_same_v<T, int8_t>;
 template <typename T>
 constexpr edgeinfer_cpu::KvType kv_type() {
   if constexpr (std::is_same_v<T, float>) return edgeinfer_cpu::KvType::kF32;
   else if constexpr (std::is_same_v<T, c10::Half>) return edgeinfer_cpu::KvType::kF16;
-  else return edgeinfer_cpu::KvType::kBF16;
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) return edgeinfer_cpu::KvType::kBF16;
+  else return edgeinfer_cpu::KvType::kI8;
 }
 
 // The fp16 scales (and int4 zeros) of quantized caches, null for plain ones. int8: one scale per
@@ -180,13 +183,13 @@ float softmax_numerators(float* scores, int64_t len, float* m_out, float softcap
 // row offsets in `rows`, scale indices in `srows`): per head j the largest score m[j], the sum of
 // exp(score - max) l[j] and the unnormalised value sum o + j * head_dim. `scores` must hold
 // g * (len + 8) floats. int8 caches: a key's scale multiplies its score, a value's its softmax
-// weight (after the sum l). `wide`: plain caches through the AVX-512 loops.
+// weight (after the sum l). `wide`: the AVX-512 loops (not for int4 caches).
 template <typename T>
 void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache, const int64_t* rows,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
                   float* o, const KvScales& sc, float softcap, bool wide) {
   const int64_t stride = len + 8;
-  if constexpr (kPlain<T>) {
+  if constexpr (kWide<T>) {
     if (wide) edgeinfer_cpu::key_scores_avx512(q, g, k_cache, kv_type<T>(), rows, len, head_dim, scale, scores, stride);
   }
   if (!wide) {
@@ -205,7 +208,7 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
       for (int64_t t = 0; t < len; ++t) sj[t] *= static_cast<float>(sc.v_scale[srows[t]]);
     }
   }
-  if constexpr (kPlain<T>) {
+  if constexpr (kWide<T>) {
     if (wide) edgeinfer_cpu::weighted_values_avx512(scores, stride, g, v_cache, kv_type<T>(), rows, len, head_dim, o);
   }
   if (!wide) {
@@ -402,12 +405,13 @@ bool avx512_supported() {
 }
 
 // Which loops run: "avx2", "avx512" (an error where the CPU lacks it), or "" for the widest this
-// CPU has. Plain caches only take the AVX-512 loops, for head_dim a multiple of 16 up to 256.
+// CPU has. Plain and int8 caches take the AVX-512 loops, for head_dim a multiple of 16 up to 256.
 bool wide_loops(const std::string& isa, const at::Tensor& k_cache, int64_t head_dim) {
   TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "avx512", "unknown attention isa '", isa,
               "' (expected avx2, avx512 or empty for this CPU's widest)");
   TORCH_CHECK(isa != "avx512" || avx512_supported(), "this CPU cannot run the avx512 attention loops");
-  return isa != "avx2" && avx512_supported() && k_cache.is_floating_point() && head_dim % 16 == 0 && head_dim <= 256;
+  const bool readable = k_cache.is_floating_point() || k_cache.scalar_type() == at::kChar;
+  return isa != "avx2" && avx512_supported() && readable && head_dim % 16 == 0 && head_dim <= 256;
 }
 
 // decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size. int8 caches
@@ -444,7 +448,8 @@ void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_c
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  const std::string& isa) {
+                                  const std::string& isa, const c10::optional<at::Tensor>& k_scale_in,
+                                  const c10::optional<at::Tensor>& v_scale_in) {
   TORCH_CHECK(q_in.dim() == 3, "q must be (S, Hq, D)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k and v caches must be (blocks, block_size, Hkv, D) of one dtype");
@@ -464,9 +469,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(len_ptr[s] <= tables.size(1) * block_size, "context_lens[", s, "] exceeds its block table");
   }
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.is_floating_point() || int8, "this op reads plain caches (fp32, bf16, fp16) or int8 ones");
+  at::Tensor k_scale, v_scale;
+  if (int8) {
+    TORCH_CHECK(k_scale_in.has_value() && v_scale_in.has_value(), "int8 caches need k_scale and v_scale");
+    k_scale = k_scale_in->contiguous();
+    v_scale = v_scale_in->contiguous();
+    for (const at::Tensor* t : {&k_scale, &v_scale}) {
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
+                      t->size(1) == block_size && t->size(2) == num_kv_heads,
+                  "int8 caches' scales must be fp16 (blocks, block_size, Hkv)");
+    }
+  } else {
+    TORCH_CHECK(!k_scale_in.has_value() && !v_scale_in.has_value(), "plain caches take no scales");
+  }
   at::Tensor out = at::zeros_like(q);
-  TORCH_CHECK(k_cache.is_floating_point(), "this op reads plain caches (fp32, bf16, fp16)");
-  decode_any(q.data_ptr<float>(), k_cache, v_cache, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+  decode_any(q.data_ptr<float>(), k_cache, v_cache, k_scale, v_scale, at::Tensor(), at::Tensor(),
              tables.data_ptr<int32_t>(), tables.size(1), len_ptr, num_seqs, num_heads, static_cast<float>(scale),
              out.data_ptr<float>(), 0, 0.0f, isa);
   return out;
@@ -485,7 +504,7 @@ void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, 
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, str isa=\"\") -> Tensor");
+        "float scale, str isa=\"\", Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("attention_isa_supported(str isa) -> bool", [](const std::string& isa) {
     TORCH_CHECK(isa == "avx2" || isa == "avx512", "unknown attention isa '", isa, "' (expected avx2 or avx512)");
     return isa == "avx2" || avx512_supported();

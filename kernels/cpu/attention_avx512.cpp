@@ -1,6 +1,6 @@
 // AVX-512 inner loops of CPU decode attention: a KV head's query heads scored against its keys,
 // and the softmax weights' sums of its values (attention.cpp's key_scores and weighted_values,
-// which stay the AVX2 path and take int8 / int4 caches).
+// which stay the AVX2 path and take int4 caches too).
 //
 // Why a second path: on AVX2 each (key, query head) score ends in its own horizontal sum, and a
 // value row is reloaded and each weight broadcast once per 8 of its channels. Here a block of 16
@@ -37,6 +37,11 @@ template <>
 inline __m512 load16<KvType::kBF16>(const void* base, int64_t at) {  // bf16 is the top half of an fp32
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+template <>
+inline __m512 load16<KvType::kI8>(const void* base, int64_t at) {  // codes; the caller applies the scales
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + at));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
 }
 
 // Lane i of the result: the sum of a[i]'s 16 lanes. Pairs of vectors are folded into one at
@@ -134,6 +139,7 @@ void edgeinfer_cpu::key_scores_avx512(const float* q, int64_t g, const void* k_c
     case KvType::kF32: key_scores<KvType::kF32>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
     case KvType::kF16: key_scores<KvType::kF16>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
     case KvType::kBF16: key_scores<KvType::kBF16>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
+    case KvType::kI8: key_scores<KvType::kI8>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
   }
 }
 
@@ -143,5 +149,6 @@ void edgeinfer_cpu::weighted_values_avx512(const float* p, int64_t stride, int64
     case KvType::kF32: weighted_values<KvType::kF32>(p, stride, g, v_cache, rows, len, head_dim, o); break;
     case KvType::kF16: weighted_values<KvType::kF16>(p, stride, g, v_cache, rows, len, head_dim, o); break;
     case KvType::kBF16: weighted_values<KvType::kBF16>(p, stride, g, v_cache, rows, len, head_dim, o); break;
+    case KvType::kI8: weighted_values<KvType::kI8>(p, stride, g, v_cache, rows, len, head_dim, o); break;
   }
 }

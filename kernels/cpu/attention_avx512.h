@@ -9,9 +9,10 @@
 
 namespace edgeinfer_cpu {
 
-// The cache element types the AVX-512 loops read (attention.cpp keeps int8 and int4 on AVX2).
-// attention.cpp checks the CPU (AVX512F) before calling them.
-enum class KvType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+// The cache element types the AVX-512 loops read (int8: the codes; attention.cpp applies their
+// scales to the scores and the softmax weights; int4 caches stay on AVX2). attention.cpp checks
+// the CPU (AVX512F) before calling them.
+enum class KvType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
 
 // scores[j * stride + t] = scale * q_j . K[t] for the g query heads at q (head_dim apart), K[t] the
 // head_dim values at k_cache + rows[t] (elements of `type`). head_dim: a multiple of 16, <= 256.

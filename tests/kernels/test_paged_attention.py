@@ -224,12 +224,51 @@ def test_cpu_op_loops_match_reference(isa, dtype, group, head_dim):
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
-def test_cpu_op_names_an_unknown_isa():
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 80), (1, 128)])
+def test_cpu_op_int8_caches_match_brute_force(isa, group, head_dim):
+    # int8 codes with a scale per (token, head): the scores and softmax weights carry the scales;
+    # the oracle dequantizes the gathered rows in float64 and runs softmax attention per sequence.
+    if not cpu_ops.attention_isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    gen = torch.Generator().manual_seed(group * head_dim)
+    lens, block, kv_heads = [1, 16, 17, 45, 301], 16, 2
+    per_seq = [-(-n // block) for n in lens]
+    blocks = sum(per_seq) + 2
+    k = torch.randint(-127, 128, (blocks, block, kv_heads, head_dim), generator=gen, dtype=torch.int8)
+    v = torch.randint(-127, 128, (blocks, block, kv_heads, head_dim), generator=gen, dtype=torch.int8)
+    k_scale = (torch.rand(blocks, block, kv_heads, generator=gen) * 0.02 + 0.005).half()
+    v_scale = (torch.rand(blocks, block, kv_heads, generator=gen) * 0.02 + 0.005).half()
+    order = torch.randperm(blocks, generator=gen).int()
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = order[used:used + nb]
+        used += nb
+    q = _q((len(lens), kv_heads * group, head_dim), seed=3)
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_decode_attention(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), scale, isa,
+                                         k_scale, v_scale)
+    for s, n in enumerate(lens):
+        slots = [(int(tables[s, t // block]), t % block) for t in range(n)]
+        keys = torch.stack([k[b, i].double() * k_scale[b, i].double()[:, None] for b, i in slots])  # (n, Hkv, D)
+        values = torch.stack([v[b, i].double() * v_scale[b, i].double()[:, None] for b, i in slots])
+        qs = q[s].double().view(kv_heads, group, head_dim)
+        weights = (torch.einsum("hgd,thd->hgt", qs, keys) * scale).softmax(-1)
+        expected = torch.einsum("hgt,thd->hgd", weights, values).reshape(kv_heads * group, head_dim)
+        torch.testing.assert_close(out[s].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+def test_cpu_op_names_an_unknown_isa_and_missing_scales():
     pool, tables = build("fp16", "fp16", 64, 2, [5])
     kc, vc = pool.k_caches[LAYER].data, pool.v_caches[LAYER].data
+    lens = torch.tensor([5], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="unknown attention isa 'sse4'"):
-        cpu_ops.paged_decode_attention(torch.randn(1, 2, 64), kc, vc, tables, torch.tensor([5], dtype=torch.int32),
-                                       1.0, "sse4")
+        cpu_ops.paged_decode_attention(torch.randn(1, 2, 64), kc, vc, tables, lens, 1.0, "sse4")
+    codes = kc.to(torch.int8)
+    with pytest.raises(RuntimeError, match="int8 caches need k_scale and v_scale"):
+        cpu_ops.paged_decode_attention(torch.randn(1, 2, 64), codes, codes, tables, lens, 1.0)
 
 
 def test_bad_inputs_raise_clear_errors():
