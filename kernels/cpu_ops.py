@@ -13,8 +13,9 @@ The ops and their references:
   4 values (llama.cpp's int8 with one per 32 broke greedy parity with the fp32 reference on the
   default model), and kernels.reference.int16_activation_gemm_reference makes the same rounding,
   so tests compare the two tightly and each against the exact fp32 product.
-- ``paged_decode_attention`` (attention.cpp): one-token attention over plain KV caches; the
-  torch path of kernels.paged_attention is its reference.
+- ``paged_decode_attention`` (attention.cpp, its AVX-512 loops in attention_avx512.cpp): one-token
+  attention over plain or int8 KV caches; the torch path of kernels.paged_attention is its
+  reference (for int8 caches, a brute-force oracle in the tests).
 - ``rms_norm`` (rms_norm.cpp): torch.nn.functional.rms_norm is its reference.
 - ``read_rows`` (file_rows.cpp): fp32 rows of a GGUF matrix read from its file, for
   quant.gguf_import.FileRows, whose Python path (raw rows, convert, dequantize) is its reference.
