@@ -189,6 +189,7 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
                   float* o, const KvScales& sc, float softcap, bool wide) {
   const int64_t stride = len + 8;
+  wide = wide && kWide<T>;  // a cache the AVX-512 loops cannot read takes the AVX2 ones
   if constexpr (kWide<T>) {
     if (wide) edgeinfer_cpu::key_scores_avx512(q, g, k_cache, kv_type<T>(), rows, len, head_dim, scale, scores, stride);
   }
