@@ -59,19 +59,29 @@ def model_pair(spec: ArchSpec) -> tuple[ModelConfig, LlamaModel, LlamaModel]:
     return config, fused, per_op
 
 
-def decode_ms(model: LlamaModel, config: ModelConfig, rows: int, context: int, repeats: int) -> float:
-    pool = KVPool(config.num_layers, 40 * rows + 16, BLOCK, config.num_kv_heads, config.head_dim, "fp16", "fp16",
+def decode_times(model: LlamaModel, config: ModelConfig, rows: int, context: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` decode steps of ``rows`` rows after ``context`` cached tokens
+    (fp16 cache, each context prefilled in 128-token chunks, as the fused step takes them),
+    fastest first."""
+    blocks = (context + repeats) // BLOCK + 2
+    pool = KVPool(config.num_layers, blocks * rows + 16, BLOCK, config.num_kv_heads, config.head_dim, "fp16", "fp16",
                   "cpu")
-    tables = [tuple(range(i * 40, (i + 1) * 40)) for i in range(rows)]
+    tables = [tuple(range(i * blocks, (i + 1) * blocks)) for i in range(rows)]
     for table in tables:
-        model.forward(*build_batch([SeqChunk(tuple(range(1, context + 1)), 0, table)], BLOCK, "cpu"), pool)
+        for start in range(0, context, 128):
+            chunk = tuple(range(1 + start, 1 + min(context, start + 128)))
+            model.forward(*build_batch([SeqChunk(chunk, start, table)], BLOCK, "cpu"), pool)
     times = []
     for step in range(repeats):
         ids, batch = build_batch([SeqChunk((5,), context + step, t) for t in tables], BLOCK, "cpu")
         start = time.perf_counter()
         model.forward(ids, batch, pool)
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return sorted(times)
+
+
+def decode_ms(model: LlamaModel, config: ModelConfig, rows: int, context: int, repeats: int) -> float:
+    return statistics.median(decode_times(model, config, rows, context, repeats)) * 1e3
 
 
 def prompt_ms(model: LlamaModel, config: ModelConfig, tokens: int, repeats: int = 3) -> float:

@@ -1,6 +1,6 @@
 """Helpers the benchmarks share: device copy bandwidth (the yardstick the GPU benchmarks' "% of
-copy bandwidth" columns divide by), comma-separated integer flags, table cells, and starting a
-server to measure (a free port, waiting for its health check)."""
+copy bandwidth" columns divide by), timed runs of calls, comma-separated integer flags, table
+cells, and starting a server to measure (a free port, waiting for its health check)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import statistics
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,25 @@ def copy_bandwidth(device: torch.device | str = "cuda", num_bytes: int = 1 << 30
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return 2 * num_bytes / statistics.median(times[2:])
+
+
+def call_times(fn: Callable[[], object], calls: int, warmup: int = 3) -> list[float]:
+    """Seconds of each of ``calls`` calls of ``fn`` in a row, after ``warmup`` untimed ones;
+    fastest first."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)
+
+
+def fastest_tenth(times: list[float]) -> float:
+    """The fastest tenth's bound of ascending ``times``: on a shared machine steadier than the
+    median, whose calls the host's other tenants slow by chance."""
+    return times[len(times) // 10]
 
 
 def int_list(text: str) -> list[int]:

@@ -16,13 +16,14 @@ import argparse
 import functools
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import call_times, fastest_tenth  # noqa: E402
 
 from kernels import cpu_ops  # noqa: E402
 
@@ -40,17 +41,6 @@ def case_inputs(seqs: int, context: int, dtype: torch.dtype) -> tuple:
     lens = torch.tensor([max(1, context - 7 * (i % 5)) for i in range(seqs)], dtype=torch.int32)
     q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g)
     return q, k, v, tables, lens
-
-
-def timed_us(fn: Callable[[], object], calls: int) -> list[float]:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return sorted(times)
 
 
 def main() -> None:
@@ -78,8 +68,8 @@ def main() -> None:
                 cells = []
                 for isa in isas:
                     call = functools.partial(cpu_ops.paged_decode_attention, *inputs, 0.125, isa)
-                    times = timed_us(call, args.calls)
-                    fast = times[len(times) // 10]
+                    times = [t * 1e6 for t in call_times(call, args.calls, warmup=20)]
+                    fast = fastest_tenth(times)
                     cells.append(f"{fast:7.1f} / {statistics.median(times):7.1f} ({kv_bytes / fast / 1e3:4.1f})")
                 print(f"{case:>8} {r:>5} " + " ".join(f"{c:>24}" for c in cells), flush=True)
 

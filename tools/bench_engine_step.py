@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from edgeinfer.config import CPU_ACTIVATIONS, RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.request import GenerateRequest  # noqa: E402
@@ -110,30 +111,17 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
 
 
 def forward_only(rows: int, context: int, repeats: int) -> None:
+    from bench_arch_step import decode_times
+    from bench_common import fastest_tenth
+
     from edgeinfer.models.loader import load_model
-    from edgeinfer.worker.batch import SeqChunk, build_batch
     from edgeinfer.worker.build import build_model
-    from kernels.kv_pool import KVPool
 
     model = build_model(load_model(str(default_model_path())), RuntimeConfig())
-    c, block = model.config, 16
-    blocks = (context + repeats) // block + 2
-    pool = KVPool(c.num_layers, blocks * rows + 1, block, c.num_kv_heads, c.head_dim, "fp16", "fp16", "cpu")
-    tables = [tuple(range(i * blocks, (i + 1) * blocks)) for i in range(rows)]
-    times = []
     with torch.inference_mode():
-        for table in tables:  # the contexts, in prompt chunks the fused step takes
-            for start in range(0, context, 128):
-                chunk = tuple(range(1 + start, 1 + min(context, start + 128)))
-                model.forward(*build_batch([SeqChunk(chunk, start, table)], block, "cpu"), pool)
-        for step in range(repeats):
-            ids, batch = build_batch([SeqChunk((5 + step,), context + step, t) for t in tables], block, "cpu")
-            start = time.perf_counter()
-            model.forward(ids, batch, pool)
-            times.append(time.perf_counter() - start)
-    times.sort()
+        times = decode_times(model, model.config, rows, context, repeats)
     print(f"forward, {rows} row(s) after {context} tokens, {repeats} steps: fastest tenth "
-          f"{times[len(times) // 10] * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
+          f"{fastest_tenth(times) * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
 
 
 def gemm_on_threads() -> None:

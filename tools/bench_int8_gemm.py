@@ -24,7 +24,6 @@ import argparse
 import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import call_times, fastest_tenth  # noqa: E402
 from int8_peak import peak_gops  # noqa: E402
 
 from kernels import cpu_a8, cpu_ops  # noqa: E402
@@ -48,17 +48,7 @@ def _median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, 
     """Median microseconds per call of each function, each timed in its own run of calls: taking
     turns with 256-bit code, the AVX-512 kernel paid the core's AVX-512 power-up every call
     (M = 1: 48 us interleaved, 17 us in a run)."""
-    result = {}
-    for name, fn in fns.items():
-        for _ in range(3):
-            fn()  # warm up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        result[name] = statistics.median(times) * 1e6
-    return result
+    return {name: statistics.median(call_times(fn, repeats)) * 1e6 for name, fn in fns.items()}
 
 
 def _calls(x: torch.Tensor, a8: cpu_a8.A8Weight, isas: list[str], int16: Callable[[torch.Tensor], object],
@@ -81,17 +71,8 @@ def layer(ms: list[int], terms: int, repeats: int) -> None:
         weights.append(cpu_a8.prepare_a8(replace(w, scales=w.scales.half(), mins=w.mins.half()), terms))
     for m in ms:
         calls = [functools.partial(cpu_a8.a8_linear, torch.randn(m, w.shape[1]), w, isa) for w in weights]
-        for _ in range(20):
-            for call in calls:
-                call()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for call in calls:
-                call()
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        print(f"layer GEMMs, M={m}, {terms} term(s), {isa}: fastest tenth {times[len(times) // 10] * 1e6:.0f} us, "
+        times = call_times(lambda calls=calls: [call() for call in calls], repeats, warmup=20)
+        print(f"layer GEMMs, M={m}, {terms} term(s), {isa}: fastest tenth {fastest_tenth(times) * 1e6:.0f} us, "
               f"median {statistics.median(times) * 1e6:.0f} us")
 
 
