@@ -66,8 +66,9 @@ def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, ter
     min(group, 32) values of a row of x becomes int8 codes round(x / d), d = absmax / 127 (round
     half to even); each unit's integer dot with the weight codes is scaled by d and its group's
     weight scale, and a weight's min term uses the exact group sums of x. With ``terms`` 2 the
-    rounding residual x - d * codes is rounded the same way and its dots added (no min term).
-    A weight with SuperScales runs with their exact products (as the kernels read them)."""
+    rounding residual x - d * codes is rounded on a grid of d / 16 (clamped to -8..8) and its
+    dots added. A weight with SuperScales runs with their exact products (as the kernels read
+    them)."""
     if weight.format not in ("int4", "int8"):
         raise ValueError(f"int8_activation_gemm_reference needs an int4 or int8 weight, got {weight.format!r}")
     n, k = weight.shape
@@ -78,15 +79,16 @@ def int8_activation_gemm_reference(x: torch.Tensor, weight: QuantizedTensor, ter
     weight_scales, weight_mins = _kernel_scales(weight)
     scales = weight_scales.double().repeat_interleave(group // unit, dim=1)  # (N, K / U)
     y = torch.zeros(x2.shape[0], n, dtype=torch.float64)
-    term = x2
-    for _ in range(terms):
-        xu = term.view(-1, k // unit, unit)
-        d = xu.abs().amax(dim=-1, keepdim=True) / 127
-        xq = torch.where(d > 0, torch.round(xu / d), torch.zeros_like(xu))
+    xu = x2.view(-1, k // unit, unit)
+    d = xu.abs().amax(dim=-1, keepdim=True) / 127
+    xq = torch.where(d > 0, torch.round(xu / d), torch.zeros_like(xu))
+    for term in range(terms):
+        if term == 1:  # the residual, fp32 as the kernel forms it, on a sixteenth of the grid
+            residual, d = xu - d * xq, d / 16
+            xq = torch.where(d > 0, torch.round(residual / d), torch.zeros_like(xu)).clamp(-8, 8)
         # Integer dots per unit in float64: exact.
         dots = torch.einsum("mui,nui->mnu", xq.double(), codes.double().view(n, k // unit, unit))
         y = y + (dots * scales * d.double().squeeze(-1)[:, None, :]).sum(-1)
-        term = (xu - d * xq).view(-1, k)  # fp32, as the kernel forms the residual
     if weight_mins is not None:
         y = y + x2.double().view(-1, k // group, group).sum(-1) @ weight_mins.double().t()
     return y.float()

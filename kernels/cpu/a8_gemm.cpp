@@ -8,11 +8,15 @@
 // for int8 groups of 16; absmax / 127, round half to even) and its exact fp32 group sums (the
 // weight mins' term), then the weight's
 // column tiles are split over the threads and each tile runs through all M rows at once.
-// With two terms each row becomes two int8 rows, x's codes and the codes of its rounding residual
-// (x - scale * codes, again a scale per 32): the pair is exact to about 2^-15 of a block's
-// absmax, close to the int16 kernel's rounding, for twice the dot products (the kernel's cost
-// at small M is the weight unpack, shared by the rows). The residual row's group sums are 0:
-// the mins' term uses x's exact sums once.
+// With two terms each unit of a row also gets the codes of its rounding residual x - d * codes on
+// a grid of d / 16 (in -8..8: |residual| <= d / 2), so x ~= d / 16 * (16 * codes + residual
+// codes) to within d / 32, 2^-12 of the unit's absmax: the default model's eval-ppl 46.57 against
+// the int16 kernel's 46.58, for twice the dot products (at small M the kernel's cost is the
+// weight unpack, shared by the rows). The kernels sum 16 x the codes' dot and the residual's
+// exactly in int32 and rescale that once: the AMX kernel reads a unit's two terms as one tile
+// row of 64 bytes against the weights' 16 x codes stacked on their codes, one multiply, tile
+// store and rescale per unit for both terms. A residual at its own absmax scale (2^-15, as
+// before) needs a rescale of its own per unit, which bounded the AMX kernel.
 // Unlike the int16 kernel (quantized_gemm.cpp), a block's dot product for 4 rows costs one
 // vpdpbusd per 4 weights and row instead of cvt + scale + FMA per row, so wide batches become
 // compute-cheap; the int16 kernel stays the accuracy reference.
@@ -46,7 +50,11 @@ using edgeinfer_cpu::a8_rows_to_bf16;
 
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
-constexpr int64_t kAmxMinRows = 16;
+// AMX from 16 rows of x with one term (a full 16-row block), 12 with two: its blocks then hold
+// 16 rows of x, both terms each (a8_gemm_amx.cpp), and at 8 rows half of every multiply is
+// padding: the AVX512-VNNI kernel took 77-102 us there against AMX's 96-121 (the default
+// model's gate/up, 2 threads), AMX 93-126 against 109-148 at 12 rows.
+constexpr int64_t kAmxMinRows[] = {16, 12};
 
 // Not every compiler's __builtin_cpu_supports knows "f16c": CPUID leaf 1 says.
 bool f16c() {
@@ -99,13 +107,21 @@ bool isa_supported(const std::string& isa) {
   TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected amx_bf16, amx, avx512vnni, avxvnni or avx2)");
 }
 
+// 8 rounded fp32 codes -> 8 int8 at `out`.
+inline void store_codes(const __m256& q, int8_t* out) {
+  const __m256i qi = _mm256_cvtps_epi32(q);
+  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(w16, w16));
+}
+
 // One row of x (K values) -> int8 codes with a scale per unit of `unit` values (absmax / 127,
-// round half to even) and, where wanted, the exact group sums; with `residual`, x - scale * codes
-// per value (the next term's input). AVX2, 8 values at a time (a unit is 16 or 32 values): the
-// same IEEE division, rounding and products as the scalar form and the torch reference, so the
-// codes are theirs bit for bit; scalar, this loop cost about a tenth of a 16-row decode step.
-void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t* codes, float* scale,
-                  float* group_sums, float* residual = nullptr) {
+// round half to even), unit u's codes at codes + u * stride, and, where wanted, the exact group
+// sums; with `residual`, x - scale * codes per value (the second term's input). AVX2, 8 values
+// at a time (a unit is 16 or 32 values): the same IEEE division, rounding and products as the
+// scalar form and the torch reference, so the codes are theirs bit for bit; scalar, this loop
+// cost about a tenth of a 16-row decode step.
+void quantize_row(const float* x, int64_t k, int64_t unit, int64_t stride, int64_t group, int8_t* codes, float* scale,
+                  float* group_sums, float* residual) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t u = 0; u < k / unit; ++u) {
     const float* xu = x + u * unit;
@@ -121,9 +137,7 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
       const __m256 xv = _mm256_loadu_ps(xu + i);
       const __m256 q = d > 0.0f ? _mm256_round_ps(_mm256_div_ps(xv, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                 : _mm256_setzero_ps();
-      const __m256i qi = _mm256_cvtps_epi32(q);
-      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + u * unit + i), _mm_packs_epi16(w16, w16));
+      store_codes(q, codes + u * stride + i);
       if (residual != nullptr) _mm256_storeu_ps(residual + u * unit + i, _mm256_sub_ps(xv, _mm256_mul_ps(vd, q)));
     }
   }
@@ -134,6 +148,24 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t group, int8_t
     __m256 total = _mm256_loadu_ps(x + g * group);
     for (int64_t i = 8; i < group; i += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(x + g * group + i));
     group_sums[g] = edgeinfer_cpu::hsum(total);
+  }
+}
+
+// The second term of a row quantized by quantize_row: each unit's residual (from `residual`) on a
+// grid of d / 16, d = scale[u] (x's own scale), its codes at codes + u * stride, clamped to -8..8
+// (|residual| <= d / 2 but for rounding in the residual's own subtraction); scale[u] becomes d / 16.
+void quantize_residual(const float* residual, int64_t k, int64_t unit, int64_t stride, int8_t* codes, float* scale) {
+  const __m256 low = _mm256_set1_ps(-8.0f), high = _mm256_set1_ps(8.0f);
+  for (int64_t u = 0; u < k / unit; ++u) {
+    const float d = scale[u] / 16.0f;
+    scale[u] = d;
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int64_t i = 0; i < unit; i += 8) {
+      const __m256 r = _mm256_loadu_ps(residual + u * unit + i);
+      const __m256 q = d > 0.0f ? _mm256_round_ps(_mm256_div_ps(r, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                : _mm256_setzero_ps();
+      store_codes(_mm256_min_ps(_mm256_max_ps(q, low), high), codes + u * stride + i);
+    }
   }
 }
 
@@ -238,29 +270,30 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
     if (m > 0 && n > 0) bf16_rows(x, m, codes, scales, has_mins ? mins : at::Tensor(), n, k, group, int4, y);
     return;
   }
-  const int64_t rows = m * terms;  // with two terms, row 2r is x[r]'s codes and 2r + 1 its residual's
-  // AMX from kAmxMinRows activation rows; fewer leave most of a 16-row tile idle, and the weight
-  // read, not the arithmetic, bounds them: the AVX512-VNNI kernel runs those.
-  const bool on_amx = isa == "amx" && rows >= kAmxMinRows;
+  const int64_t rows = m * terms;  // the kernels' rows of codes: with two terms each row's work is doubled
+  // Fewer rows than kAmxMinRows leave much of a 16-row tile idle, and the weight read, not the
+  // arithmetic, bounds them: the AVX512-VNNI kernel runs those.
+  const bool on_amx = isa == "amx" && m >= kAmxMinRows[terms - 1];
   const std::string run_isa = isa == "amx" && !on_amx ? "avx512vnni" : isa;
   const bool offset_x = !int4 && (run_isa == "avx512vnni" || run_isa == "avxvnni");  // they read int8 x + 128 (uint8)
   const int64_t unit = std::min(group, kA8Unit);
+  const int64_t units = k / unit;
   const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
   TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kShort && wsum.is_contiguous() &&
-                            wsum.numel() == tiles * (k / unit) * kA8Cols),
+                            wsum.numel() == tiles * units * kA8Cols),
               "int8 weights need wsum, int16 (tiles, K / min(group, 32), 16)");
   if (m == 0 || n == 0) return;
   const int64_t groups = k / group;
   // The AMX kernel reads whole 16-row blocks: the padding rows' codes and scales are left as the
   // buffers hold them (their products are never stored).
-  const int64_t padded = on_amx ? amx_rows(rows) : rows;
+  const int64_t padded = on_amx ? amx_rows(m) : m;
   // The calling thread's buffers, kept from call to call. Allocated per call, with the two terms'
   // outputs kept apart and summed after, a 256-token chunk of a 1.7B model's gate/up took ~35 MB,
   // zeroed and page-faulted every call.
   thread_local std::vector<int8_t> xq_buffer;
   thread_local std::vector<float> scale_buffer, gsum_buffer;
-  xq_buffer.resize(std::max<size_t>(xq_buffer.size(), padded * k));
-  scale_buffer.resize(std::max<size_t>(scale_buffer.size(), padded * (k / unit)));
+  xq_buffer.resize(std::max<size_t>(xq_buffer.size(), padded * terms * k));
+  scale_buffer.resize(std::max<size_t>(scale_buffer.size(), padded * units));
   gsum_buffer.resize(std::max<size_t>(gsum_buffer.size(), has_mins ? padded * groups : 0));
   // Plain pointers: inside the parallel region a thread_local's name would be the worker's own.
   int8_t* xq = xq_buffer.data();
@@ -271,25 +304,22 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
     std::vector<float> residual(terms == 2 ? k : 0);  // one row's, consumed at once by its second term
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t t = 0; t < terms; ++t) {
-        const int64_t row = r * terms + t;
-        float* res = terms == 2 ? residual.data() : nullptr;
-        quantize_row(t == 0 ? x + r * k : res, k, unit, group, xq + row * k, x_scale + row * (k / unit),
-                     has_mins && t == 0 ? x_gsum + row * groups : nullptr, t == 0 ? res : nullptr);
-        if (has_mins && t == 1) std::fill_n(x_gsum + row * groups, groups, 0.0f);  // the mins' term counted once
-        if (offset_x) {
-          for (int64_t i = row * k; i < (row + 1) * k; ++i) xq[i] = static_cast<int8_t>(xq[i] ^ 0x80);  // + 128
-        }
+      int8_t* row = xq + r * terms * k;
+      const int64_t stride = terms * unit;  // two terms: a unit's codes, then its residual's
+      quantize_row(x + r * k, k, unit, stride, group, row, x_scale + r * units,
+                   has_mins ? x_gsum + r * groups : nullptr, terms == 2 ? residual.data() : nullptr);
+      if (terms == 2) quantize_residual(residual.data(), k, unit, stride, row + unit, x_scale + r * units);
+      if (offset_x) {
+        for (int64_t i = 0; i < terms * k; ++i) row[i] = static_cast<int8_t>(row[i] ^ 0x80);  // + 128
       }
     }
   });
-  // The kernel sums a row's two terms as it stores them.
   const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
                     has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
-                    reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, rows, n, k, group, terms, int4,
+                    reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, m, n, k, group, terms, int4,
                     scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
-  if (on_amx) {  // the scratch holds an int4 tile unpacked: K x 16 bytes
-    over_tiles(tiles, rows, k, k * kA8Cols,
+  if (on_amx) {  // the scratch holds an int4 tile unpacked: K x 16 bytes per term
+    over_tiles(tiles, rows, k, terms * k * kA8Cols,
                [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx(p, t0, t1, scratch); });
     return;
   }

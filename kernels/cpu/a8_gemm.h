@@ -25,9 +25,10 @@ constexpr int64_t kA8SuperGroups = kA8SuperBlock / 32;
 constexpr int64_t kA8SuperBytes = kA8Cols * 2 + kA8SuperGroups * kA8Cols;
 
 // y (M, N) fp32 = x (M, K) @ W.T, x quantized to int8 per unit u of U = min(group, kA8Unit)
-// values (x ~= x_scale[r, u] * code):
-//   y[r, n] = sum_u scale[n, g(u)] * x_scale[r, u] * dot_u(code_r, q_n) + sum_g min[n, g] * x_gsum[r, g]
-// with x_gsum the exact fp32 group sums of x.
+// values (x ~= x_scale[r, u] * code; with two terms x ~= x_scale[r, u] * (16 * code + residual code)):
+//   y[r, n] = sum_u scale[n, g(u)] * x_scale[r, u] * dot_u(r, q_n) + sum_g min[n, g] * x_gsum[r, g]
+// with dot_u the unit's exact integer dot (two terms: 16 x the codes' dot + the residual's) and
+// x_gsum the exact fp32 group sums of x.
 // Weight tiles of kA8Cols columns (N padded to a multiple), per tile in K order:
 //   int4: per 32-block, 4 vectors of 64 bytes; byte 4c + j of vector v holds column c's code
 //         for k = 4v + j in its low nibble and k = 16 + 4v + j in its high nibble (unsigned 0..15).
@@ -45,10 +46,15 @@ struct A8Problem {
   const void* scales;
   const void* mins;      // null: no min term
   const int16_t* wsum;   // int8 weights; the VNNI kernels start each unit's sum from -128 x it
-  const uint8_t* x;      // (M, K) codes: int8, or for the VNNI int8 kernels int8 + 128 as uint8
-  const float* x_scale;  // (M, K / U)
+  // (M, terms * K) codes: int8, or for the VNNI int8 kernels int8 + 128 as uint8. With two terms
+  // a row holds, per unit, the unit's U codes of x, then the U codes of its rounding residual at
+  // a sixteenth of x's scale (in -8..8), so that 16 x dot(x codes) + dot(residual codes) is the
+  // row's unit dot at that scale, summed exactly in int32 before the one rescale (two-term rows
+  // below: x_scale holds the residual's scale, and a unit's 2U bytes are one AMX tile row).
+  const uint8_t* x;
+  const float* x_scale;  // (M, K / U): the scale of the unit's last term
   const float* x_gsum;   // (M, groups); null without mins
-  float* y;              // (M / terms, N): with two terms, rows 2r and 2r + 1 are summed into y row r
+  float* y;              // (M, N)
   int64_t m, n, k, group;
   int64_t terms;
   bool int4;

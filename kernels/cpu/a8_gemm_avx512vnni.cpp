@@ -20,6 +20,7 @@ constexpr bool kOffsetX = true;
 
 inline Vi load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline Vi add_i(Vi a, Vi b) { return _mm512_add_epi32(a, b); }
+inline Vi times16_i(Vi a) { return _mm512_slli_epi32(a, 4); }
 inline Vi zero_i() { return _mm512_setzero_si512(); }
 inline Vi set1_i(int32_t v) { return _mm512_set1_epi32(v); }
 inline Vi low_nibbles(Vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }

@@ -61,7 +61,8 @@ def test_two_term_activations_match_reference_and_come_near_the_exact_product(is
     exact = (int4_gemm_reference if fmt == "int4" else int8_gemm_reference)(x, weight)
     one_term = cpu_a8.a8_linear(x, cpu_a8.prepare_a8(weight), isa)
     two, one = float((out - exact).norm() / exact.norm()), float((one_term - exact).norm() / exact.norm())
-    assert two < 1e-3 and two < one / 20  # the residual's codes take the error from ~1% to ~0.01%
+    # The residual's codes, on a sixteenth of the codes' grid, take the error from ~1% to ~0.07%.
+    assert two < 1e-3 and two < one / 8
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
@@ -138,13 +139,15 @@ def test_isas_agree_and_the_default_is_the_best():
 
 @pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported("amx"), reason="this CPU cannot run amx")
 @pytest.mark.parametrize("fmt,group,mins,terms", [("int4", 32, True, 1), ("int4", 64, True, 2), ("int8", 16, True, 1),
-                                                  ("int8", 32, False, 2)])
-def test_amx_equals_avx512vnni_bit_for_bit(fmt, group, mins, terms):
+                                                  ("int8", 32, False, 2), ("int4", 32, True, 2),
+                                                  ("int8", 16, True, 2)])
+@pytest.mark.parametrize("m", [12, 37])  # 12 two-term rows: the fewest AMX takes, 3/4 of a block
+def test_amx_equals_avx512vnni_bit_for_bit(fmt, group, mins, terms, m):
     """The same integer dots and the same fp32 sums in the same order: one-term int8 activations
     turn a last-bit difference into whole codes a layer later (eval-ppl 46.83 -> 47.01 once, with
     the mins' term added after the unit's product instead of before)."""
     weight = cpu_a8.prepare_a8(a8_weight(fmt, 100, 576, group, seed=9, mins=mins), terms)
-    x = a8_x(37, 576, seed=10)
+    x = a8_x(m, 576, seed=10)
     assert torch.equal(cpu_a8.a8_linear(x, weight, "amx"), cpu_a8.a8_linear(x, weight, "avx512vnni"))
 
 
