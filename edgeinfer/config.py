@@ -217,7 +217,7 @@ class RuntimeConfig:
     # int16: the int16-activation kernels, a scale per 4 values, the accuracy reference; int8: the
     # int8-activation (VNNI) GEMMs on the CPU's quantized linears, a scale per 32 values
     # (kernels.cpu_a8; llama.cpp's rounding, +0.5% perplexity); int8x2: x and its rounding
-    # residual as two int8 terms, int16's accuracy through the same GEMMs; bf16: x and the
+    # residual (on d / 16) as two int8 terms, int16's accuracy through the same GEMMs; bf16: x and the
     # weights rounded to bf16, fp32 sums on the AMX-BF16 tile unit (Sapphire Rapids and later
     # Xeons only; fastest from ~16 rows, slow for one); bf16-prompts: prompt tokens in bf16,
     # generated ones in int8x2; auto: bf16-prompts where the CPU has AMX-BF16, int8x2 where it

@@ -51,7 +51,7 @@ class A8Weight:
     shape: tuple[int, int]  # (N, K)
     group_size: int
     int4: bool
-    terms: int = 1  # activations as 1 int8 term, or 2 (x and its rounding residual: int16-like accuracy)
+    terms: int = 1  # activations as 1 int8 term, or 2 (x and its rounding residual on d / 16: int16-like accuracy)
     bf16: bool = False  # activations and weights rounded to bf16 on AMX-BF16 instead (terms 1)
 
     @property
@@ -151,7 +151,8 @@ def default_isa() -> str:
 
 def a8_linear(x: torch.Tensor, weight: A8Weight, isa: str | None = None, bf16: bool | None = None) -> torch.Tensor:
     """fp32 (M, N) = x (M, K), any float dtype, @ W.T with x rounded to int8 (a scale per 32; with
-    ``weight.terms`` 2, x's codes plus its rounding residual's codes, each a row of the GEMM) on
+    ``weight.terms`` 2, x's codes plus its rounding residual's on a sixteenth of their grid, summed
+    in int32 as 16 x the codes' dot + the residual's) on
     ``isa`` (default: ``default_isa()``); with ``bf16`` (default: ``weight.bf16``) x runs in bf16
     on AMX-BF16 instead."""
     n, k = weight.shape
