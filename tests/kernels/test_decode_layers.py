@@ -364,7 +364,7 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
     # linear's weights, wsum or group) moves every logit by its own size.
     # Two terms leave boundary flips a code step of the residual (a sixteenth of the codes'
     # step): 0.0018 seen; bf16 a last-bit flip of one value (2^-8 of it).
-    bound = {1: 0.03, 2: 4e-3}.get(terms, 1e-3)
+    bound = {1: 0.03, 2: 5e-3}.get(terms, 1e-3)
     assert float((fused - reference).norm() / reference.norm()) < bound
 
 

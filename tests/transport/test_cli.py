@@ -78,8 +78,10 @@ def test_beam_search_refuses_sampling_flags(default_model_path) -> None:
 
 
 def test_separate_key_and_value_cache_formats(default_model_path) -> None:
+    # Greedy: sampled, an unseeded draw could part from the answer at the first token whatever
+    # the caches (it did, once the activation rounding moved: 'La' at p = 0.13).
     result = _edgeinfer("generate", "What is the capital of France?", "--max-tokens", "16", "--k-dtype", "int8",
-                        "--v-dtype", "int4", model=default_model_path)
+                        "--v-dtype", "int4", "--temperature", "0", model=default_model_path)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
