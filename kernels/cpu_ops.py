@@ -156,14 +156,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            isa: str = "", k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, k_zero: torch.Tensor | None = None,
+                           v_zero: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 (S, Hq, D): one query token per sequence over plain (blocks, block_size, Hkv, D)
-    caches, or int8 ones with fp16 ``k_scale`` / ``v_scale`` (blocks, block_size, Hkv) (a value
-    is code x scale; the fused step's rotation and key centring are its own), read through int32
-    block tables up to int32 context lengths. ``isa``: "avx2", "avx512" or "" (the widest this
-    CPU runs, as the fused step uses)."""
+    caches, int8 ones with fp16 ``k_scale`` / ``v_scale`` (blocks, block_size, Hkv) (a value is
+    code x scale), or int4 ones (uint8 (blocks, block_size, Hkv, D / 2), channel 2i in byte i's
+    low nibble) with fp16 scales and zeros (blocks, block_size, Hkv, D / 32) (a value is code x
+    scale + zero per 32 channels); the fused step's rotation and key centring are its own. Read
+    through int32 block tables up to int32 context lengths. ``isa``: "avx2", "avx512" or "" (the
+    widest this CPU runs, as the fused step uses)."""
     return torch.ops.edgeinfer_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, isa,
-                                                          k_scale, v_scale)
+                                                          k_scale, v_scale, k_zero, v_zero)
 
 
 def attention_isa_supported(isa: str) -> bool:

@@ -7,7 +7,10 @@ the median of each loop's calls in microseconds, and the KV bytes read per secon
 tenth (the cache's rate: a long context is bound by it).
 
     python tools/bench_cpu_attention.py [--cases 16x100,16x300,1x300,1x2048,4x1024]
-                                        [--kv-dtype fp16|bf16|fp32] [--rounds 2] [--calls 1000]
+                                        [--kv-dtype fp16|bf16|fp32|int8|int4] [--rounds 2] [--calls 1000]
+
+int8 caches carry an fp16 scale per token and head, int4 ones two codes per byte and an fp16
+scale and zero per 32 channels (their bytes, scales included, count in the GB/s).
 """
 
 from __future__ import annotations
@@ -29,45 +32,53 @@ from kernels import cpu_ops  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KV_DTYPES = (*DTYPES, "int8", "int4")
 
 
-def case_inputs(seqs: int, context: int, dtype: torch.dtype) -> tuple:
+def case_inputs(seqs: int, context: int, kv_dtype: str) -> tuple[tuple, tuple, int]:
+    """(q, k, v, tables, lens), the caches' scales (and zeros), and a token's K + V bytes per KV head."""
     g = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
     blocks = seqs * per_seq + 1
-    k = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    shape = (blocks, BLOCK, KV_HEADS)
     tables = (torch.randperm(blocks - 1, generator=g)[: seqs * per_seq].int() + 1).view(seqs, per_seq)
     lens = torch.tensor([max(1, context - 7 * (i % 5)) for i in range(seqs)], dtype=torch.int32)
     q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g)
-    return q, k, v, tables, lens
+    if kv_dtype in DTYPES:
+        k, v = (torch.randn(*shape, HEAD_DIM, generator=g).to(DTYPES[kv_dtype]) for _ in "kv")
+        return (q, k, v, tables, lens), (), 2 * HEAD_DIM * k.element_size()
+    if kv_dtype == "int8":
+        k, v = (torch.randint(-127, 128, (*shape, HEAD_DIM), generator=g, dtype=torch.int8) for _ in "kv")
+        scales = tuple((torch.rand(*shape, generator=g) * 0.02).half() for _ in "kv")
+        return (q, k, v, tables, lens), scales, 2 * (HEAD_DIM + 2)
+    k, v = (torch.randint(0, 256, (*shape, HEAD_DIM // 2), generator=g, dtype=torch.uint8) for _ in "kv")
+    params = tuple((torch.rand(*shape, HEAD_DIM // 32, generator=g) * 0.2).half() for _ in range(4))
+    return (q, k, v, tables, lens), (params[0], params[1], params[2], params[3]), 2 * (HEAD_DIM // 2 + HEAD_DIM // 8)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="16x100,16x300,1x300,1x2048,4x1024",
                         help="sequences x context, comma-separated")
-    parser.add_argument("--kv-dtype", choices=sorted(DTYPES), default="fp16")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args()
     if not cpu_ops.available():
         sys.exit("the C++ CPU ops do not build here")
     isas = [isa for isa in ("avx2", "avx512") if cpu_ops.attention_isa_supported(isa)]
-    dtype = DTYPES[args.kv_dtype]
     print(f"{torch.get_num_threads()} threads, {args.kv_dtype} cache, {HEADS} q / {KV_HEADS} KV heads, "
           f"head_dim {HEAD_DIM}; us per layer, fastest tenth / median (KV GB/s at the fastest tenth)")
     print(f"{'case':>8} {'round':>5} " + " ".join(f"{isa:>24}" for isa in isas))
     with torch.inference_mode():
         for case in args.cases.split(","):
             seqs, context = (int(x) for x in case.split("x"))
-            inputs = case_inputs(seqs, context, dtype)
-            k, lens = inputs[1], inputs[4]
-            kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * k.element_size()
+            inputs, quant, token_bytes = case_inputs(seqs, context, args.kv_dtype)
+            kv_bytes = int(inputs[4].sum()) * KV_HEADS * token_bytes
             for r in range(args.rounds):
                 cells = []
                 for isa in isas:
-                    call = functools.partial(cpu_ops.paged_decode_attention, *inputs, 0.125, isa)
+                    call = functools.partial(cpu_ops.paged_decode_attention, *inputs, 0.125, isa, *quant)
                     times = [t * 1e6 for t in call_times(call, args.calls, warmup=20)]
                     fast = fastest_tenth(times)
                     cells.append(f"{fast:7.1f} / {statistics.median(times):7.1f} ({kv_bytes / fast / 1e3:4.1f})")

@@ -1,6 +1,6 @@
 // Decode attention over the paged KV pool, plain caches (fp32 / bf16 / fp16) or, for
 // decode_layers, quantized ones (int8 with a scale per token and head, int4 with a scale and
-// zero per 32 channels), for AVX2 CPUs; plain and int8 caches' inner loops on AVX-512 where the CPU has it
+// zero per 32 channels), for AVX2 CPUs; every cache's inner loops on AVX-512 where the CPU has it
 // (attention_avx512.cpp; tools/bench_cpu_attention.py, fp16, 2 threads, fastest tenth: 16
 // sequences of 300 tokens 163-165 us a layer against 188-189, one of 2048 60-61 against 76-79;
 // the cache is then read at 21-26 GB/s, near this machine's memory rate).
@@ -118,8 +118,8 @@ void head_passes(int64_t g, const F& run) {
   }
 }
 
-// The caches the AVX-512 loops (attention_avx512.cpp) read where the CPU has them: plain ones and
-// int8 codes (not int4).
+// The caches attend_group hands to the AVX-512 loops (attention_avx512.cpp) where the CPU has
+// them: plain ones and int8 codes (int4 caches take decode's own branch).
 template <typename T>
 constexpr bool kWide = std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16> ||
                        std::is_same_v<T, int8_t>;
@@ -183,7 +183,7 @@ float softmax_numerators(float* scores, int64_t len, float* m_out, float softcap
 // row offsets in `rows`, scale indices in `srows`): per head j the largest score m[j], the sum of
 // exp(score - max) l[j] and the unnormalised value sum o + j * head_dim. `scores` must hold
 // g * (len + 8) floats. int8 caches: a key's scale multiplies its score, a value's its softmax
-// weight (after the sum l). `wide`: the AVX-512 loops (not for int4 caches).
+// weight (after the sum l). `wide`: the AVX-512 loops.
 template <typename T>
 void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache, const int64_t* rows,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
@@ -357,14 +357,24 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         }
         const float* qh = q + (s * num_heads + h * group) * head_dim;  // the KV head's query heads
         if constexpr (std::is_same_v<T, uint8_t>) {  // int4 codes, two per byte
-          const int64_t stride = t_end - t_begin + 8;
+          const int64_t len = t_end - t_begin, stride = len + 8;
           scores.resize(group * stride);
-          head_passes(group, [&](int64_t j0, auto heads) {
-            attend_int4<decltype(heads)::value>(qh + j0 * head_dim, k_cache + h * head_dim / 2,
-                                                v_cache + h * head_dim / 2, srows.data(), t_end - t_begin, head_dim,
-                                                scale, scores.data() + j0 * stride, stride, m + j0, l + j0,
-                                                o + j0 * head_dim, hs, softcap);
-          });
+          const uint8_t* kh = k_cache + h * head_dim / 2;
+          const uint8_t* vh = v_cache + h * head_dim / 2;
+          if (wide) {
+            const auto half = [](const c10::Half* p) { return reinterpret_cast<const uint16_t*>(p); };
+            edgeinfer_cpu::key_scores_int4_avx512(qh, group, {kh, half(hs.k_scale), half(hs.k_zero)}, srows.data(),
+                                                  len, head_dim, scale, scores.data(), stride);
+            for (int64_t j = 0; j < group; ++j) l[j] = softmax_numerators(scores.data() + j * stride, len, m + j, softcap);
+            edgeinfer_cpu::weighted_values_int4_avx512(scores.data(), stride, group, {vh, half(hs.v_scale), half(hs.v_zero)},
+                                                       srows.data(), len, head_dim, o);
+          } else {
+            head_passes(group, [&](int64_t j0, auto heads) {
+              attend_int4<decltype(heads)::value>(qh + j0 * head_dim, kh, vh, srows.data(), len, head_dim, scale,
+                                                  scores.data() + j0 * stride, stride, m + j0, l + j0,
+                                                  o + j0 * head_dim, hs, softcap);
+            });
+          }
         } else {
           scores.resize(group * (t_end - t_begin + 8));
           attend_group(qh, group, k_cache + h * head_dim, v_cache + h * head_dim, rows.data(), srows.data(),
@@ -406,13 +416,12 @@ bool avx512_supported() {
 }
 
 // Which loops run: "avx2", "avx512" (an error where the CPU lacks it), or "" for the widest this
-// CPU has. Plain and int8 caches take the AVX-512 loops, for head_dim a multiple of 16 up to 256.
-bool wide_loops(const std::string& isa, const at::Tensor& k_cache, int64_t head_dim) {
+// CPU has. Every cache type takes the AVX-512 loops, for head_dim a multiple of 16 up to 256.
+bool wide_loops(const std::string& isa, int64_t head_dim) {
   TORCH_CHECK(isa.empty() || isa == "avx2" || isa == "avx512", "unknown attention isa '", isa,
               "' (expected avx2, avx512 or empty for this CPU's widest)");
   TORCH_CHECK(isa != "avx512" || avx512_supported(), "this CPU cannot run the avx512 attention loops");
-  const bool readable = k_cache.is_floating_point() || k_cache.scalar_type() == at::kChar;
-  return isa != "avx2" && avx512_supported() && readable && head_dim % 16 == 0 && head_dim <= 256;
+  return isa != "avx2" && avx512_supported() && head_dim % 16 == 0 && head_dim <= 256;
 }
 
 // decode() for the caches' dtype; the caches' shape gives Hkv, D and the block size. int8 caches
@@ -425,7 +434,7 @@ void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_c
   const bool int4 = k_cache.scalar_type() == at::kByte;
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t head_dim = int4 ? 2 * k_cache.size(3) : k_cache.size(3);
-  const bool wide = wide_loops(isa, k_cache, head_dim);
+  const bool wide = wide_loops(isa, head_dim);
   const auto run = [&](auto* k, auto* v, const KvScales& sc = {}) {
     decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, sc,
            window, softcap, wide);
@@ -450,14 +459,19 @@ void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_c
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   const std::string& isa, const c10::optional<at::Tensor>& k_scale_in,
-                                  const c10::optional<at::Tensor>& v_scale_in) {
+                                  const c10::optional<at::Tensor>& v_scale_in,
+                                  const c10::optional<at::Tensor>& k_zero_in,
+                                  const c10::optional<at::Tensor>& v_zero_in) {
   TORCH_CHECK(q_in.dim() == 3, "q must be (S, Hq, D)");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k and v caches must be (blocks, block_size, Hkv, D) of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t num_seqs = q_in.size(0), num_heads = q_in.size(1), head_dim = q_in.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && head_dim % 8 == 0, "head_dim must match the cache and be a multiple of 8");
+  const bool int8 = k_cache.scalar_type() == at::kChar, int4 = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(k_cache.size(3) == (int4 ? head_dim / 2 : head_dim) && head_dim % (int4 ? 32 : 8) == 0,
+              int4 ? "int4 caches hold head_dim / 2 bytes per row, head_dim a multiple of 32"
+                   : "head_dim must match the cache and be a multiple of 8");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_tables and context_lens must be int32");
@@ -470,23 +484,32 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(len_ptr[s] <= tables.size(1) * block_size, "context_lens[", s, "] exceeds its block table");
   }
-  const bool int8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(k_cache.is_floating_point() || int8, "this op reads plain caches (fp32, bf16, fp16) or int8 ones");
-  at::Tensor k_scale, v_scale;
-  if (int8) {
-    TORCH_CHECK(k_scale_in.has_value() && v_scale_in.has_value(), "int8 caches need k_scale and v_scale");
+  TORCH_CHECK(k_cache.is_floating_point() || int8 || int4,
+              "this op reads plain caches (fp32, bf16, fp16), int8 ones or int4 ones (uint8)");
+  at::Tensor k_scale, v_scale, k_zero, v_zero;
+  if (int8 || int4) {
+    TORCH_CHECK(k_scale_in.has_value() && v_scale_in.has_value() && (!int4 || (k_zero_in.has_value() && v_zero_in.has_value())),
+                int4 ? "int4 caches need k_scale, v_scale, k_zero and v_zero" : "int8 caches need k_scale and v_scale");
+    TORCH_CHECK(int4 || (!k_zero_in.has_value() && !v_zero_in.has_value()), "int8 caches take no zeros");
     k_scale = k_scale_in->contiguous();
     v_scale = v_scale_in->contiguous();
-    for (const at::Tensor* t : {&k_scale, &v_scale}) {
-      TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
-                      t->size(1) == block_size && t->size(2) == num_kv_heads,
-                  "int8 caches' scales must be fp16 (blocks, block_size, Hkv)");
+    if (int4) {
+      k_zero = k_zero_in->contiguous();
+      v_zero = v_zero_in->contiguous();
+    }
+    for (const at::Tensor* t : {&k_scale, &v_scale, &k_zero, &v_zero}) {
+      if (!t->defined()) continue;
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == (int4 ? 4 : 3) && t->size(0) == k_cache.size(0) &&
+                      t->size(1) == block_size && t->size(2) == num_kv_heads && (!int4 || t->size(3) == head_dim / 32),
+                  int4 ? "int4 caches' scales and zeros must be fp16 (blocks, block_size, Hkv, D / 32)"
+                       : "int8 caches' scales must be fp16 (blocks, block_size, Hkv)");
     }
   } else {
-    TORCH_CHECK(!k_scale_in.has_value() && !v_scale_in.has_value(), "plain caches take no scales");
+    TORCH_CHECK(!k_scale_in.has_value() && !v_scale_in.has_value() && !k_zero_in.has_value() && !v_zero_in.has_value(),
+                "plain caches take no scales or zeros");
   }
   at::Tensor out = at::zeros_like(q);
-  decode_any(q.data_ptr<float>(), k_cache, v_cache, k_scale, v_scale, at::Tensor(), at::Tensor(),
+  decode_any(q.data_ptr<float>(), k_cache, v_cache, k_scale, v_scale, k_zero, v_zero,
              tables.data_ptr<int32_t>(), tables.size(1), len_ptr, num_seqs, num_heads, static_cast<float>(scale),
              out.data_ptr<float>(), 0, 0.0f, isa);
   return out;
@@ -505,7 +528,8 @@ void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, 
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, str isa=\"\", Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+        "float scale, str isa=\"\", Tensor? k_scale=None, Tensor? v_scale=None, Tensor? k_zero=None, "
+        "Tensor? v_zero=None) -> Tensor");
   m.def("attention_isa_supported(str isa) -> bool", [](const std::string& isa) {
     TORCH_CHECK(isa == "avx2" || isa == "avx512", "unknown attention isa '", isa, "' (expected avx2 or avx512)");
     return isa == "avx2" || avx512_supported();

@@ -1,6 +1,6 @@
 // AVX-512 inner loops of CPU decode attention: a KV head's query heads scored against its keys,
-// and the softmax weights' sums of its values (attention.cpp's key_scores and weighted_values,
-// which stay the AVX2 path and take int4 caches too).
+// and the softmax weights' sums of its values (attention.cpp's key_scores, weighted_values and
+// attend_int4 stay the AVX2 path).
 //
 // Why a second path: on AVX2 each (key, query head) score ends in its own horizontal sum, and a
 // value row is reloaded and each weight broadcast once per 8 of its channels. Here a block of 16
@@ -44,6 +44,35 @@ inline __m512 load16<KvType::kI8>(const void* base, int64_t at) {  // codes; the
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
 }
 
+// Channels [16c, 16c + 16) of token t's row as fp32: plain caches and int8 codes (whose scales
+// attention.cpp applies to the scores and the softmax weights) at base + rows[t] elements.
+template <KvType T>
+struct PlainRows {
+  const void* base;
+  const int64_t* rows;
+  __m512 operator()(int64_t t, int64_t c) const { return load16<T>(base, rows[t] + 16 * c); }
+};
+
+// int4 rows (attention_avx512.h): 8 bytes hold 16 channels, each byte's low nibble the even one;
+// x = code * scale + zero with the fp16 scale and zero of the channels' group of 32.
+struct Int4Rows {
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint16_t* zeros;
+  const int64_t* srows;
+  int64_t row_bytes, groups;
+  __m512 operator()(int64_t t, int64_t c) const {
+    const int64_t r = srows[t];
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * row_bytes + 8 * c));
+    const __m512i doubled = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // b0 b0 b1 b1 ...
+    const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi32(doubled, shifts), _mm512_set1_epi32(0x0F));
+    const int64_t at = r * groups + c / 2;
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(nibbles), _mm512_set1_ps(_cvtsh_ss(scales[at])),
+                           _mm512_set1_ps(_cvtsh_ss(zeros[at])));
+  }
+};
+
 // Lane i of the result: the sum of a[i]'s 16 lanes. Pairs of vectors are folded into one at
 // each level (per 128-bit lane: 4 values -> 2 -> 1 per vector, then across the 4 lanes), so every
 // instruction works for several keys.
@@ -63,9 +92,9 @@ inline __m512 lane_sums16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, kEven), _mm512_shuffle_f32x4(u0, u1, kOdd));
 }
 
-template <KvType T>
-void key_scores(const float* q, int64_t g, const void* k_cache, const int64_t* rows, int64_t len, int64_t head_dim,
-                float scale, float* scores, int64_t stride) {
+template <typename Rows>
+void key_scores(const float* q, int64_t g, const Rows& key, int64_t len, int64_t head_dim, float scale, float* scores,
+                int64_t stride) {
   alignas(64) float keys[16 * 256];  // a block of 16 keys as fp32 (head_dim <= 256)
   const int64_t chunks = head_dim / 16;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -73,8 +102,7 @@ void key_scores(const float* q, int64_t g, const void* k_cache, const int64_t* r
     const int64_t n = len - t0 < 16 ? len - t0 : 16;
     for (int64_t i = 0; i < 16; ++i) {  // a short last block's missing keys score 0 and are not stored
       for (int64_t c = 0; c < chunks; ++c) {
-        _mm512_store_ps(keys + i * head_dim + 16 * c, i < n ? load16<T>(k_cache, rows[t0 + i] + 16 * c)
-                                                            : _mm512_setzero_ps());
+        _mm512_store_ps(keys + i * head_dim + 16 * c, i < n ? key(t0 + i, c) : _mm512_setzero_ps());
       }
     }
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
@@ -93,16 +121,16 @@ void key_scores(const float* q, int64_t g, const void* k_cache, const int64_t* r
 
 // G heads (p and o at their first), channels [d0, d0 + 16 C) of the values: each value's C
 // vectors loaded once, each head's weight broadcast once, G x C accumulators.
-template <KvType T, int G, int C>
-void values_pass(const float* p, int64_t stride, const void* v_cache, const int64_t* rows, int64_t len, int64_t d0,
-                 int64_t head_dim, float* o) {
+template <typename Rows, int G, int C>
+void values_pass(const float* p, int64_t stride, const Rows& value, int64_t len, int64_t d0, int64_t head_dim,
+                 float* o) {
   __m512 acc[G][C];
   for (int j = 0; j < G; ++j) {
     for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < len; ++t) {
     __m512 x[C];
-    for (int c = 0; c < C; ++c) x[c] = load16<T>(v_cache, rows[t] + d0 + 16 * c);
+    for (int c = 0; c < C; ++c) x[c] = value(t, d0 / 16 + c);
     for (int j = 0; j < G; ++j) {
       const __m512 w = _mm512_set1_ps(p[j * stride + t]);
       for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(w, x[c], acc[j][c]);
@@ -113,20 +141,20 @@ void values_pass(const float* p, int64_t stride, const void* v_cache, const int6
   }
 }
 
-template <KvType T>
-void weighted_values(const float* p, int64_t stride, int64_t g, const void* v_cache, const int64_t* rows,
-                     int64_t len, int64_t head_dim, float* o) {
-  using Pass = void (*)(const float*, int64_t, const void*, const int64_t*, int64_t, int64_t, int64_t, float*);
+template <typename Rows>
+void weighted_values(const float* p, int64_t stride, int64_t g, const Rows& value, int64_t len, int64_t head_dim,
+                     float* o) {
+  using Pass = void (*)(const float*, int64_t, const Rows&, int64_t, int64_t, int64_t, float*);
   static constexpr Pass kPasses[4][4] = {
-      {values_pass<T, 1, 1>, values_pass<T, 1, 2>, values_pass<T, 1, 3>, values_pass<T, 1, 4>},
-      {values_pass<T, 2, 1>, values_pass<T, 2, 2>, values_pass<T, 2, 3>, values_pass<T, 2, 4>},
-      {values_pass<T, 3, 1>, values_pass<T, 3, 2>, values_pass<T, 3, 3>, values_pass<T, 3, 4>},
-      {values_pass<T, 4, 1>, values_pass<T, 4, 2>, values_pass<T, 4, 3>, values_pass<T, 4, 4>}};
+      {values_pass<Rows, 1, 1>, values_pass<Rows, 1, 2>, values_pass<Rows, 1, 3>, values_pass<Rows, 1, 4>},
+      {values_pass<Rows, 2, 1>, values_pass<Rows, 2, 2>, values_pass<Rows, 2, 3>, values_pass<Rows, 2, 4>},
+      {values_pass<Rows, 3, 1>, values_pass<Rows, 3, 2>, values_pass<Rows, 3, 3>, values_pass<Rows, 3, 4>},
+      {values_pass<Rows, 4, 1>, values_pass<Rows, 4, 2>, values_pass<Rows, 4, 3>, values_pass<Rows, 4, 4>}};
   for (int64_t j0 = 0; j0 < g; j0 += 4) {
     const int64_t heads = g - j0 < 4 ? g - j0 : 4;
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
       const int64_t chunks = (head_dim - d0) / 16 < 4 ? (head_dim - d0) / 16 : 4;
-      kPasses[heads - 1][chunks - 1](p + j0 * stride, stride, v_cache, rows, len, d0, head_dim, o + j0 * head_dim);
+      kPasses[heads - 1][chunks - 1](p + j0 * stride, stride, value, len, d0, head_dim, o + j0 * head_dim);
     }
   }
 }
@@ -136,19 +164,31 @@ void weighted_values(const float* p, int64_t stride, int64_t g, const void* v_ca
 void edgeinfer_cpu::key_scores_avx512(const float* q, int64_t g, const void* k_cache, KvType type, const int64_t* rows,
                                       int64_t len, int64_t head_dim, float scale, float* scores, int64_t stride) {
   switch (type) {
-    case KvType::kF32: key_scores<KvType::kF32>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
-    case KvType::kF16: key_scores<KvType::kF16>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
-    case KvType::kBF16: key_scores<KvType::kBF16>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
-    case KvType::kI8: key_scores<KvType::kI8>(q, g, k_cache, rows, len, head_dim, scale, scores, stride); break;
+    case KvType::kF32: key_scores(q, g, PlainRows<KvType::kF32>{k_cache, rows}, len, head_dim, scale, scores, stride); break;
+    case KvType::kF16: key_scores(q, g, PlainRows<KvType::kF16>{k_cache, rows}, len, head_dim, scale, scores, stride); break;
+    case KvType::kBF16: key_scores(q, g, PlainRows<KvType::kBF16>{k_cache, rows}, len, head_dim, scale, scores, stride); break;
+    case KvType::kI8: key_scores(q, g, PlainRows<KvType::kI8>{k_cache, rows}, len, head_dim, scale, scores, stride); break;
   }
 }
 
 void edgeinfer_cpu::weighted_values_avx512(const float* p, int64_t stride, int64_t g, const void* v_cache, KvType type,
                                            const int64_t* rows, int64_t len, int64_t head_dim, float* o) {
   switch (type) {
-    case KvType::kF32: weighted_values<KvType::kF32>(p, stride, g, v_cache, rows, len, head_dim, o); break;
-    case KvType::kF16: weighted_values<KvType::kF16>(p, stride, g, v_cache, rows, len, head_dim, o); break;
-    case KvType::kBF16: weighted_values<KvType::kBF16>(p, stride, g, v_cache, rows, len, head_dim, o); break;
-    case KvType::kI8: weighted_values<KvType::kI8>(p, stride, g, v_cache, rows, len, head_dim, o); break;
+    case KvType::kF32: weighted_values(p, stride, g, PlainRows<KvType::kF32>{v_cache, rows}, len, head_dim, o); break;
+    case KvType::kF16: weighted_values(p, stride, g, PlainRows<KvType::kF16>{v_cache, rows}, len, head_dim, o); break;
+    case KvType::kBF16: weighted_values(p, stride, g, PlainRows<KvType::kBF16>{v_cache, rows}, len, head_dim, o); break;
+    case KvType::kI8: weighted_values(p, stride, g, PlainRows<KvType::kI8>{v_cache, rows}, len, head_dim, o); break;
   }
+}
+
+void edgeinfer_cpu::key_scores_int4_avx512(const float* q, int64_t g, const Int4Cache& k, const int64_t* srows,
+                                           int64_t len, int64_t head_dim, float scale, float* scores, int64_t stride) {
+  key_scores(q, g, Int4Rows{k.codes, k.scales, k.zeros, srows, head_dim / 2, head_dim / 32}, len, head_dim, scale,
+             scores, stride);
+}
+
+void edgeinfer_cpu::weighted_values_int4_avx512(const float* p, int64_t stride, int64_t g, const Int4Cache& v,
+                                                const int64_t* srows, int64_t len, int64_t head_dim, float* o) {
+  weighted_values(p, stride, g, Int4Rows{v.codes, v.scales, v.zeros, srows, head_dim / 2, head_dim / 32}, len,
+                  head_dim, o);
 }

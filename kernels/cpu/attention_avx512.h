@@ -10,9 +10,19 @@
 namespace edgeinfer_cpu {
 
 // The cache element types the AVX-512 loops read (int8: the codes; attention.cpp applies their
-// scales to the scores and the softmax weights; int4 caches stay on AVX2). attention.cpp checks
-// the CPU (AVX512F) before calling them.
+// scales to the scores and the softmax weights; int4 caches have loops of their own, below).
+// attention.cpp checks the CPU (AVX512F) before calling them.
 enum class KvType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
+
+// One KV head of an int4 cache: token row r (a slot's index x Hkv) holds head_dim / 2 bytes at
+// codes + r * head_dim / 2, channel 2i in byte i's low nibble and 2i + 1 in its high one, and a
+// value is code * scale + zero with the fp16 scale and zero (IEEE half bits) of its group of 32
+// channels at r * head_dim / 32.
+struct Int4Cache {
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint16_t* zeros;
+};
 
 // scores[j * stride + t] = scale * q_j . K[t] for the g query heads at q (head_dim apart), K[t] the
 // head_dim values at k_cache + rows[t] (elements of `type`). head_dim: a multiple of 16, <= 256.
@@ -22,5 +32,12 @@ void key_scores_avx512(const float* q, int64_t g, const void* k_cache, KvType ty
 // o[j * head_dim + d] = sum_t p[j * stride + t] * V[t][d] for the g heads, V[t] at v_cache + rows[t].
 void weighted_values_avx512(const float* p, int64_t stride, int64_t g, const void* v_cache, KvType type,
                             const int64_t* rows, int64_t len, int64_t head_dim, float* o);
+
+// key_scores_avx512 and weighted_values_avx512 over int4 rows `srows` (dequantized 16 channels at
+// a time into the same loops). head_dim: a multiple of 32, <= 256.
+void key_scores_int4_avx512(const float* q, int64_t g, const Int4Cache& k, const int64_t* srows, int64_t len,
+                            int64_t head_dim, float scale, float* scores, int64_t stride);
+void weighted_values_int4_avx512(const float* p, int64_t stride, int64_t g, const Int4Cache& v, const int64_t* srows,
+                                 int64_t len, int64_t head_dim, float* o);
 
 }  // namespace edgeinfer_cpu

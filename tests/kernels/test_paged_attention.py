@@ -225,6 +225,45 @@ def test_cpu_op_loops_match_reference(isa, dtype, group, head_dim):
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 96), (1, 128), (8, 32)])
+def test_cpu_op_int4_caches_match_brute_force(isa, group, head_dim):
+    # int4 codes, two per byte (channel 2i in byte i's low nibble), value = code x scale + zero
+    # per 32 channels; the oracle unpacks and dequantizes the gathered rows in float64.
+    if not cpu_ops.attention_isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    gen = torch.Generator().manual_seed(group * head_dim + 1)
+    lens, block, kv_heads = [1, 15, 17, 45, 301], 16, 2
+    per_seq = [-(-n // block) for n in lens]
+    blocks = sum(per_seq) + 2
+    shape = (blocks, block, kv_heads)
+    codes = {name: torch.randint(0, 16, (*shape, head_dim), generator=gen, dtype=torch.uint8) for name in "kv"}
+    packed = {name: c[..., 0::2] | (c[..., 1::2] << 4) for name, c in codes.items()}
+    scales = {name: (torch.rand(*shape, head_dim // 32, generator=gen) * 0.2 + 0.01).half() for name in "kv"}
+    zeros = {name: (torch.rand(*shape, head_dim // 32, generator=gen) * 2 - 1.5).half() for name in "kv"}
+    order = torch.randperm(blocks, generator=gen).int()
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = order[used:used + nb]
+        used += nb
+    q = _q((len(lens), kv_heads * group, head_dim), seed=4)
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_decode_attention(q, packed["k"], packed["v"], tables, torch.tensor(lens, dtype=torch.int32),
+                                         scale, isa, scales["k"], scales["v"], zeros["k"], zeros["v"])
+    dense = {name: (codes[name].double().view(*shape, head_dim // 32, 32) * scales[name].double()[..., None]
+                    + zeros[name].double()[..., None]).view(*shape, head_dim) for name in "kv"}
+    for s, n in enumerate(lens):
+        slots = [(int(tables[s, t // block]), t % block) for t in range(n)]
+        keys = torch.stack([dense["k"][b, i] for b, i in slots])  # (n, Hkv, D)
+        values = torch.stack([dense["v"][b, i] for b, i in slots])
+        qs = q[s].double().view(kv_heads, group, head_dim)
+        weights = (torch.einsum("hgd,thd->hgt", qs, keys) * scale).softmax(-1)
+        expected = torch.einsum("hgt,thd->hgd", weights, values).reshape(kv_heads * group, head_dim)
+        torch.testing.assert_close(out[s].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 80), (1, 128)])
 def test_cpu_op_int8_caches_match_brute_force(isa, group, head_dim):
     # int8 codes with a scale per (token, head): the scores and softmax weights carry the scales;
