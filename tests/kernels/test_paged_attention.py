@@ -223,43 +223,59 @@ def test_cpu_op_loops_match_reference(isa, dtype, group, head_dim):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+QUANT_LENS, QUANT_BLOCK, QUANT_KV_HEADS = [1, 15, 17, 45, 301], 16, 2
+
+
+def _shuffled_tables(gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Block tables for QUANT_LENS over blocks in random order, and the pool's block count."""
+    per_seq = [-(-n // QUANT_BLOCK) for n in QUANT_LENS]
+    blocks = sum(per_seq) + 2
+    order = torch.randperm(blocks, generator=gen).int()
+    tables = torch.zeros(len(QUANT_LENS), max(per_seq), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = order[used:used + nb]
+        used += nb
+    return tables, blocks
+
+
+def _assert_brute_force(out, q, keys, values, tables, group, scale):
+    """The oracle: each sequence's rows of the dequantized float64 caches keys / values (blocks,
+    block, Hkv, D) gathered through its table, softmax attention per KV head's query heads."""
+    head_dim = q.shape[-1]
+    for s, n in enumerate(QUANT_LENS):
+        slots = [(int(tables[s, t // QUANT_BLOCK]), t % QUANT_BLOCK) for t in range(n)]
+        k = torch.stack([keys[b, i] for b, i in slots])  # (n, Hkv, D)
+        v = torch.stack([values[b, i] for b, i in slots])
+        qs = q[s].double().view(QUANT_KV_HEADS, group, head_dim)
+        weights = (torch.einsum("hgd,thd->hgt", qs, k) * scale).softmax(-1)
+        expected = torch.einsum("hgt,thd->hgd", weights, v).reshape(QUANT_KV_HEADS * group, head_dim)
+        torch.testing.assert_close(out[s].double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 96), (1, 128), (8, 32)])
 def test_cpu_op_int4_caches_match_brute_force(isa, group, head_dim):
     # int4 codes, two per byte (channel 2i in byte i's low nibble), value = code x scale + zero
-    # per 32 channels; the oracle unpacks and dequantizes the gathered rows in float64.
+    # per 32 channels; the oracle unpacks and dequantizes them in float64.
     if not cpu_ops.attention_isa_supported(isa):
         pytest.skip(f"this CPU has no {isa}")
     gen = torch.Generator().manual_seed(group * head_dim + 1)
-    lens, block, kv_heads = [1, 15, 17, 45, 301], 16, 2
-    per_seq = [-(-n // block) for n in lens]
-    blocks = sum(per_seq) + 2
-    shape = (blocks, block, kv_heads)
+    tables, blocks = _shuffled_tables(gen)
+    shape = (blocks, QUANT_BLOCK, QUANT_KV_HEADS)
     codes = {name: torch.randint(0, 16, (*shape, head_dim), generator=gen, dtype=torch.uint8) for name in "kv"}
     packed = {name: c[..., 0::2] | (c[..., 1::2] << 4) for name, c in codes.items()}
     scales = {name: (torch.rand(*shape, head_dim // 32, generator=gen) * 0.2 + 0.01).half() for name in "kv"}
     zeros = {name: (torch.rand(*shape, head_dim // 32, generator=gen) * 2 - 1.5).half() for name in "kv"}
-    order = torch.randperm(blocks, generator=gen).int()
-    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used:used + nb]
-        used += nb
-    q = _q((len(lens), kv_heads * group, head_dim), seed=4)
+    q = _q((len(QUANT_LENS), QUANT_KV_HEADS * group, head_dim), seed=4)
     scale = head_dim**-0.5
-    out = cpu_ops.paged_decode_attention(q, packed["k"], packed["v"], tables, torch.tensor(lens, dtype=torch.int32),
-                                         scale, isa, scales["k"], scales["v"], zeros["k"], zeros["v"])
+    out = cpu_ops.paged_decode_attention(q, packed["k"], packed["v"], tables,
+                                         torch.tensor(QUANT_LENS, dtype=torch.int32), scale, isa, scales["k"],
+                                         scales["v"], zeros["k"], zeros["v"])
     dense = {name: (codes[name].double().view(*shape, head_dim // 32, 32) * scales[name].double()[..., None]
                     + zeros[name].double()[..., None]).view(*shape, head_dim) for name in "kv"}
-    for s, n in enumerate(lens):
-        slots = [(int(tables[s, t // block]), t % block) for t in range(n)]
-        keys = torch.stack([dense["k"][b, i] for b, i in slots])  # (n, Hkv, D)
-        values = torch.stack([dense["v"][b, i] for b, i in slots])
-        qs = q[s].double().view(kv_heads, group, head_dim)
-        weights = (torch.einsum("hgd,thd->hgt", qs, keys) * scale).softmax(-1)
-        expected = torch.einsum("hgt,thd->hgd", weights, values).reshape(kv_heads * group, head_dim)
-        torch.testing.assert_close(out[s].double(), expected, rtol=1e-5, atol=1e-5)
+    _assert_brute_force(out, q, dense["k"], dense["v"], tables, group, scale)
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
@@ -267,35 +283,22 @@ def test_cpu_op_int4_caches_match_brute_force(isa, group, head_dim):
 @pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 80), (1, 128)])
 def test_cpu_op_int8_caches_match_brute_force(isa, group, head_dim):
     # int8 codes with a scale per (token, head): the scores and softmax weights carry the scales;
-    # the oracle dequantizes the gathered rows in float64 and runs softmax attention per sequence.
+    # the oracle dequantizes them in float64.
     if not cpu_ops.attention_isa_supported(isa):
         pytest.skip(f"this CPU has no {isa}")
     gen = torch.Generator().manual_seed(group * head_dim)
-    lens, block, kv_heads = [1, 16, 17, 45, 301], 16, 2
-    per_seq = [-(-n // block) for n in lens]
-    blocks = sum(per_seq) + 2
-    k = torch.randint(-127, 128, (blocks, block, kv_heads, head_dim), generator=gen, dtype=torch.int8)
-    v = torch.randint(-127, 128, (blocks, block, kv_heads, head_dim), generator=gen, dtype=torch.int8)
-    k_scale = (torch.rand(blocks, block, kv_heads, generator=gen) * 0.02 + 0.005).half()
-    v_scale = (torch.rand(blocks, block, kv_heads, generator=gen) * 0.02 + 0.005).half()
-    order = torch.randperm(blocks, generator=gen).int()
-    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = order[used:used + nb]
-        used += nb
-    q = _q((len(lens), kv_heads * group, head_dim), seed=3)
+    tables, blocks = _shuffled_tables(gen)
+    shape = (blocks, QUANT_BLOCK, QUANT_KV_HEADS)
+    k = torch.randint(-127, 128, (*shape, head_dim), generator=gen, dtype=torch.int8)
+    v = torch.randint(-127, 128, (*shape, head_dim), generator=gen, dtype=torch.int8)
+    k_scale = (torch.rand(*shape, generator=gen) * 0.02 + 0.005).half()
+    v_scale = (torch.rand(*shape, generator=gen) * 0.02 + 0.005).half()
+    q = _q((len(QUANT_LENS), QUANT_KV_HEADS * group, head_dim), seed=3)
     scale = head_dim**-0.5
-    out = cpu_ops.paged_decode_attention(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), scale, isa,
+    out = cpu_ops.paged_decode_attention(q, k, v, tables, torch.tensor(QUANT_LENS, dtype=torch.int32), scale, isa,
                                          k_scale, v_scale)
-    for s, n in enumerate(lens):
-        slots = [(int(tables[s, t // block]), t % block) for t in range(n)]
-        keys = torch.stack([k[b, i].double() * k_scale[b, i].double()[:, None] for b, i in slots])  # (n, Hkv, D)
-        values = torch.stack([v[b, i].double() * v_scale[b, i].double()[:, None] for b, i in slots])
-        qs = q[s].double().view(kv_heads, group, head_dim)
-        weights = (torch.einsum("hgd,thd->hgt", qs, keys) * scale).softmax(-1)
-        expected = torch.einsum("hgt,thd->hgd", weights, values).reshape(kv_heads * group, head_dim)
-        torch.testing.assert_close(out[s].double(), expected, rtol=1e-5, atol=1e-5)
+    _assert_brute_force(out, q, k.double() * k_scale.double()[..., None], v.double() * v_scale.double()[..., None],
+                        tables, group, scale)
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
