@@ -138,17 +138,22 @@ def test_isas_agree_and_the_default_is_the_best():
 
 
 @pytest.mark.skipif(not cpu_ops.available() or not cpu_a8.isa_supported("amx"), reason="this CPU cannot run amx")
-@pytest.mark.parametrize("fmt,group,mins,terms", [("int4", 32, True, 1), ("int4", 64, True, 2), ("int8", 16, True, 1),
-                                                  ("int8", 32, False, 2), ("int4", 32, True, 2),
-                                                  ("int8", 16, True, 2)])
+@pytest.mark.parametrize("fmt,group,mins,terms,k", [("int4", 32, True, 1, 576), ("int4", 64, True, 2, 576),
+                                                    ("int8", 16, True, 1, 576), ("int8", 32, False, 2, 576),
+                                                    ("int4", 32, True, 2, 576), ("int8", 16, True, 2, 576),
+                                                    ("int4", 128, True, 2, 1536), ("int8", 64, True, 2, 1536)])
 @pytest.mark.parametrize("m", [12, 37])  # 12 two-term rows: the fewest AMX takes, 3/4 of a block
-def test_amx_equals_avx512vnni_bit_for_bit(fmt, group, mins, terms, m):
+def test_amx_equals_avx512vnni_bit_for_bit(fmt, group, mins, terms, k, m):
     """The same integer dots and the same fp32 sums in the same order: one-term int8 activations
     turn a last-bit difference into whole codes a layer later (eval-ppl 46.83 -> 47.01 once, with
     the mins' term added after the unit's product instead of before)."""
-    weight = cpu_a8.prepare_a8(a8_weight(fmt, 100, 576, group, seed=9, mins=mins), terms)
-    x = a8_x(m, 576, seed=10)
-    assert torch.equal(cpu_a8.a8_linear(x, weight, "amx"), cpu_a8.a8_linear(x, weight, "avx512vnni"))
+    raw = a8_weight(fmt, 100, k, group, seed=9, mins=mins)
+    weight = cpu_a8.prepare_a8(raw, terms)
+    x = a8_x(m, k, seed=10)
+    out = cpu_a8.a8_linear(x, weight, "amx")
+    assert torch.equal(out, cpu_a8.a8_linear(x, weight, "avx512vnni"))
+    reference = int8_activation_gemm_reference(x, raw, terms)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
 
 
 def test_isa_override(monkeypatch):
