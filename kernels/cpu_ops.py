@@ -14,8 +14,8 @@ The ops and their references:
   default model), and kernels.reference.int16_activation_gemm_reference makes the same rounding,
   so tests compare the two tightly and each against the exact fp32 product.
 - ``paged_decode_attention`` (attention.cpp, its AVX-512 loops in attention_avx512.cpp): one-token
-  attention over plain or int8 KV caches; the torch path of kernels.paged_attention is its
-  reference (for int8 caches, a brute-force oracle in the tests).
+  attention over plain, int8 or int4 KV caches; the torch path of kernels.paged_attention is its
+  reference (for quantized caches, a brute-force oracle in the tests).
 - ``rms_norm`` (rms_norm.cpp): torch.nn.functional.rms_norm is its reference.
 - ``read_rows`` (file_rows.cpp): fp32 rows of a GGUF matrix read from its file, for
   quant.gguf_import.FileRows, whose Python path (raw rows, convert, dequantize) is its reference.

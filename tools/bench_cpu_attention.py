@@ -52,8 +52,8 @@ def case_inputs(seqs: int, context: int, kv_dtype: str) -> tuple[tuple, tuple, i
         scales = tuple((torch.rand(*shape, generator=g) * 0.02).half() for _ in "kv")
         return (q, k, v, tables, lens), scales, 2 * (HEAD_DIM + 2)
     k, v = (torch.randint(0, 256, (*shape, HEAD_DIM // 2), generator=g, dtype=torch.uint8) for _ in "kv")
-    params = tuple((torch.rand(*shape, HEAD_DIM // 32, generator=g) * 0.2).half() for _ in range(4))
-    return (q, k, v, tables, lens), (params[0], params[1], params[2], params[3]), 2 * (HEAD_DIM // 2 + HEAD_DIM // 8)
+    params = tuple((torch.rand(*shape, HEAD_DIM // 32, generator=g) * 0.2).half() for _ in range(4))  # scales, zeros
+    return (q, k, v, tables, lens), params, 2 * (HEAD_DIM // 2 + HEAD_DIM // 8)
 
 
 def main() -> None:

@@ -164,7 +164,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--per-op", action="store_true",
                         help="step: the per-op forward instead of the fused C++ step (its cost)")
-    parser.add_argument("--streams", type=int, default=1, help="step: concurrent requests (default: 1)")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="step: concurrent requests; forward: rows (default: 1)")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="step: each request's prompt (at most 600)")
     parser.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations)
     parser.add_argument("--context", type=int, default=300, help="forward: cached tokens per row (default: 300)")

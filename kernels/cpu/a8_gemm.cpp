@@ -107,6 +107,13 @@ bool isa_supported(const std::string& isa) {
   TORCH_CHECK(false, "unknown instruction set '", isa, "' (expected amx_bf16, amx, avx512vnni, avxvnni or avx2)");
 }
 
+// round(v / d) per lane, half to even (the IEEE division and rounding of the torch reference);
+// 0 where d is 0 (a unit of zeros).
+inline __m256 rounded_quotient(const __m256& v, float d, const __m256& vd) {
+  return d > 0.0f ? _mm256_round_ps(_mm256_div_ps(v, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                  : _mm256_setzero_ps();
+}
+
 // 8 rounded fp32 codes -> 8 int8 at `out`.
 inline void store_codes(const __m256& q, int8_t* out) {
   const __m256i qi = _mm256_cvtps_epi32(q);
@@ -135,8 +142,7 @@ void quantize_row(const float* x, int64_t k, int64_t unit, int64_t stride, int64
     const __m256 vd = _mm256_set1_ps(d);
     for (int64_t i = 0; i < unit; i += 8) {
       const __m256 xv = _mm256_loadu_ps(xu + i);
-      const __m256 q = d > 0.0f ? _mm256_round_ps(_mm256_div_ps(xv, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                : _mm256_setzero_ps();
+      const __m256 q = rounded_quotient(xv, d, vd);
       store_codes(q, codes + u * stride + i);
       if (residual != nullptr) _mm256_storeu_ps(residual + u * unit + i, _mm256_sub_ps(xv, _mm256_mul_ps(vd, q)));
     }
@@ -161,9 +167,7 @@ void quantize_residual(const float* residual, int64_t k, int64_t unit, int64_t s
     scale[u] = d;
     const __m256 vd = _mm256_set1_ps(d);
     for (int64_t i = 0; i < unit; i += 8) {
-      const __m256 r = _mm256_loadu_ps(residual + u * unit + i);
-      const __m256 q = d > 0.0f ? _mm256_round_ps(_mm256_div_ps(r, vd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-                                : _mm256_setzero_ps();
+      const __m256 q = rounded_quotient(_mm256_loadu_ps(residual + u * unit + i), d, vd);
       store_codes(_mm256_min_ps(_mm256_max_ps(q, low), high), codes + u * stride + i);
     }
   }
