@@ -51,9 +51,9 @@ using edgeinfer_cpu::a8_rows_to_bf16;
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
 // AMX from 16 rows of x with one term (a full 16-row block), 12 with two: its blocks then hold
-// 16 rows of x, both terms each (a8_gemm_amx.cpp), and at 8 rows half of every multiply is
-// padding: the AVX512-VNNI kernel took 77-102 us there against AMX's 96-121 (the default
-// model's gate/up, 2 threads), AMX 93-126 against 109-148 at 12 rows.
+// 16 rows of x, both terms each (a8_gemm_amx.cpp), so at 8 rows half of every multiply would be
+// padding; at 12 AMX took 133-138 us against AVX512-VNNI's 151-165 on the default model's MLP
+// shapes, at 16 136-141 against 199-214 (tools/bench_int8_gemm.py --terms 2, docs/BENCHMARKS.md).
 constexpr int64_t kAmxMinRows[] = {16, 12};
 
 // Not every compiler's __builtin_cpu_supports knows "f16c": CPUID leaf 1 says.
