@@ -19,6 +19,9 @@ The ops and their references:
 - ``rms_norm`` (rms_norm.cpp): torch.nn.functional.rms_norm is its reference.
 - ``read_rows`` (file_rows.cpp): fp32 rows of a GGUF matrix read from its file, for
   quant.gguf_import.FileRows, whose Python path (raw rows, convert, dequantize) is its reference.
+- ``row_topk`` and ``sample_rows`` (sampling.cpp): each row's k largest values (torch.topk is
+  the reference), and a step's token draw from processed logits (edgeinfer.worker.sampler's
+  torch path is the reference).
 - ``decode_layers`` (decode_layers.cpp): all transformer layers of a decode step in one call,
   through the ops above; edgeinfer.models.llama's per-op forward is its reference.
 """
@@ -151,6 +154,20 @@ def read_rows(fd: int, offset: int, num_rows: int, k: int, ggml_type: int, row_i
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fp32 RMSNorm over the last dimension of x with an fp32 weight."""
     return torch.ops.edgeinfer_cpu.rms_norm(x, weight, eps)
+
+
+def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values fp32, indices int64), each (B, k): the k largest values of each row of fp32 x (B, V),
+    largest first, the lower index first among equal values, NaN above every number (as torch.topk)."""
+    return torch.ops.edgeinfer_cpu.row_topk(x, k)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, log_min_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 token ids drawn from fp32 (B, V) processed logits with the per-row parameters of
+    edgeinfer.worker.sampler.SamplingBatch (greedy rows: the first largest); a row holding a NaN or
+    only -inf raises."""
+    return torch.ops.edgeinfer_cpu.sample_rows(logits, temperature, greedy, top_k, top_p, log_min_p, uniforms)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

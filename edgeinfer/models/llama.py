@@ -313,7 +313,8 @@ class LlamaModel(LlamaLayers):
         logits = linear(h, self.weights.head,
                         bf16_rows=None if prompt_rows is None else prompt_rows[batch.logits_indices]).float()
         if self.weights.head_exact is not None:
-            top = logits.topk(min(HEAD_REFINE_ROWS, logits.shape[-1]), dim=-1).indices  # (L, R)
+            k = min(HEAD_REFINE_ROWS, logits.shape[-1])
+            top = (cpu_ops.row_topk(logits, k) if self.backend.cpu_ops else logits.topk(k, dim=-1))[1]  # (L, R)
             rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
             exact = torch.einsum("lh,lrh->lr", h.float(), rows)  # rows (L, R, hidden)
             logits.scatter_(-1, top, exact)

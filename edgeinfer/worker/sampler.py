@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.core.sampling_params import SamplingParams
+from kernels import cpu_ops
 
 _MASK64 = (1 << 64) - 1
 _MIN_CANDIDATES = 512  # partial-sort width for top-k/top-p; see _top_k_top_p_keep
@@ -280,8 +281,21 @@ def _top_k_top_p_keep(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """(B,) the index of each row's largest value, the first of ties (as argmax). torch's CPU argmax
-    takes 62 us over a 49152-token row against 21 us for max's indices: ~0.8% of a decode step."""
+    took 62-108 us over a 49152-token row, max's indices 21-100 us, the C++ top-1 a few."""
+    if _cpu_kernels(logits):
+        return cpu_ops.row_topk(logits.reshape(-1, logits.shape[-1]), 1)[1].view(logits.shape[:-1])
     return logits.max(dim=-1).indices
+
+
+def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices), each (B, k): the k largest of each row of x (B, V), largest first (torch.topk)."""
+    return cpu_ops.row_topk(x, k) if _cpu_kernels(x) else x.topk(k, dim=-1)
+
+
+def _cpu_kernels(logits: torch.Tensor) -> bool:
+    """Whether the C++ ops choose the tokens (kernels/cpu/sampling.cpp): fp32 logits on the CPU,
+    where the ops build. The torch path (their reference) runs elsewhere: CUDA, or without them."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.available()
 
 
 def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -305,16 +319,19 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
     """Sample one token per row of (B, V) logits; see the module docstring for the order."""
     processed = processed_logits(logits, batch)
-    argmax = greedy_ids(processed)
     if batch.all_greedy:
-        token_ids = argmax
+        token_ids = greedy_ids(processed)
+    elif _cpu_kernels(processed):
+        token_ids = cpu_ops.sample_rows(processed, batch.temperature, batch.greedy, batch.top_k, batch.top_p,
+                                        batch.log_min_p, batch.uniforms)
     else:
         probs = torch.softmax(_truncated_logits(processed, batch), dim=-1)
-        token_ids = torch.where(batch.greedy, argmax, sample_from_probs(probs, batch.uniforms))
+        token_ids = torch.where(batch.greedy, greedy_ids(processed), sample_from_probs(probs, batch.uniforms))
     asked = [k for k in batch.num_logprobs if k is not None]
     if not asked:
         return SampleOutput(token_ids, None, None, None)
-    logprobs = torch.log_softmax(processed, dim=-1)
-    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-    top_logprobs, top_ids = logprobs.topk(max(asked), dim=-1)
-    return SampleOutput(token_ids, chosen, top_ids, top_logprobs)
+    # log_softmax's values without its (B, V) tensor: a logit less its row's logsumexp.
+    lse = torch.logsumexp(processed, dim=-1, keepdim=True)
+    chosen = (processed.gather(-1, token_ids[:, None]) - lse).squeeze(-1)
+    top, top_ids = top_values(processed, max(asked))
+    return SampleOutput(token_ids, chosen, top_ids, top - lse)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from oracles import reference_probs
 
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.worker.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
@@ -23,26 +24,6 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((counts[support] - expected) ** 2 / expected).sum()
     df = torch.tensor(float(support.sum() - 1))
     return torch.special.gammaincc(df / 2, stat / 2).item()  # chi2 survival function
-
-
-def reference_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
-    """The textbook definition, one token at a time: temperature, top-k, top-p, min-p."""
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    order = sorted(range(len(probs)), key=lambda t: -probs[t].item())
-    kept = order[:top_k] if top_k > 0 else order
-    mass = sum(probs[t].item() for t in kept)
-    if top_p < 1:
-        prefix, total = [], 0.0
-        for t in kept:
-            prefix.append(t)
-            total += probs[t].item() / mass
-            if total >= top_p:
-                break
-        kept = prefix
-    kept = [t for t in kept if probs[t] >= min_p * probs[order[0]]]
-    out = torch.zeros_like(probs)
-    out[kept] = probs[kept]
-    return out / out.sum()
 
 
 def sample_many(logits: torch.Tensor, params: SamplingParams, seeded: bool = False) -> torch.Tensor:
