@@ -1,7 +1,8 @@
 """Where one decode step of the engine goes, at one stream or many, and why the compute thread matters.
 
 1. `step`: the default model through `Engine` (--streams requests of --prompt-tokens tokens,
-   256 by default, --new-tokens greedy tokens, --runs runs), the steps where every stream decodes one token:
+   256 by default, --new-tokens tokens, greedy or --temperature / --top-p, --runs runs), the steps
+   where every stream decodes one token:
    median time from a step's start to the next one's, of which the model forward
    (ModelRunner.logits), the rest of the model actor's step (batch, sampling, result), and the
    scheduler's schedule + postprocess; what is left is the event loop (mailboxes, event
@@ -20,6 +21,7 @@ Wraps the engine's internals with timers (private attributes): a measurement too
 
     python tools/bench_engine_step.py [step|forward|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
                                       [--streams 16] [--prompt-tokens 256] [--context 300] [--repeats 100]
+                                      [--temperature 0.8 --top-p 0.95]
                                       [--cpu-activations auto|int16|int8|int8x2|bf16]
 """
 
@@ -58,7 +60,8 @@ def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, streams: int = 1,
-                         cpu_activations: str = RuntimeConfig.cpu_activations, prompt_tokens: int = 256) -> None:
+                         cpu_activations: str = RuntimeConfig.cpu_activations, prompt_tokens: int = 256,
+                         temperature: float = 0.0, top_p: float = 1.0) -> None:
     runtime = RuntimeConfig(num_kv_blocks=64 * streams, cpu_activations=cpu_activations)
     config = EngineConfig(str(default_model_path()), runtime, SchedulerConfig())
     async with Engine(config) as engine:
@@ -83,9 +86,10 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
         scheduler.schedule = timed(plan, scheduler.schedule)
         scheduler.postprocess = timed(plan, scheduler.postprocess)
         text = "Once upon a time, in a land far away, there lived a king. " * 40
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=new_tokens, ignore_eos=True)
         print(f"{streams} stream(s) of {prompt_tokens}-token prompts, cpu activations {cpu_activations}"
-              f"{', per-op forward' if per_op else ''}")
+              f"{', per-op forward' if per_op else ''}, "
+              + ("greedy" if not temperature else f"temperature {temperature}, top_p {top_p}"))
         print("run  decode steps  step ms  forward ms  actor rest ms  schedule+post ms  outside the forward")
         for run in range(runs):
             for record in (forward, steps, plan):
@@ -168,6 +172,8 @@ def main() -> int:
                         help="step: concurrent requests; forward: rows (default: 1)")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="step: each request's prompt (at most 600)")
     parser.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations)
+    parser.add_argument("--temperature", type=float, default=0.0, help="step: 0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="step: with --temperature (default: 1, off)")
     parser.add_argument("--context", type=int, default=300, help="forward: cached tokens per row (default: 300)")
     parser.add_argument("--repeats", type=int, default=100, help="forward: steps timed (default: 100)")
     args = parser.parse_args()
@@ -177,7 +183,7 @@ def main() -> int:
         forward_only(args.streams, args.context, args.repeats)
     if args.what in ("step", "all"):
         asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
-                                 args.prompt_tokens))
+                                 args.prompt_tokens, args.temperature, args.top_p))
     return 0
 
 

@@ -2,8 +2,9 @@
 
 The logits are the default model's own, over tinyshakespeare (one 128-token prefill, a logits
 row per position), so nuclei and top-k sets are as wide as a real step's, not a random row's.
-Each setting's `sample` call (edgeinfer.worker.sampler: penalties, truncation, the draw) is timed
---calls times on rows drawn from those logits; the table gives the fastest tenth and the median,
+Each setting's step, as the model actor takes it (SamplingBatch.from_params over rows of a
+256-token prompt and 64 generated tokens, then `sample`: penalties, truncation, the draw), is
+timed --calls times on rows drawn from those logits; the table gives the fastest tenth and the median,
 ms, with --compare both the C++ ops (kernels/cpu/sampling.cpp) and the sampler's torch path
 (its reference), alternated per setting: ``EDGEINFER_CPU_KERNEL`` is read once per process, so
 the tool swaps the sampler's private ``_cpu_kernels`` choice (a measurement tool, not an API).
@@ -37,6 +38,7 @@ from kernels.kv_pool import KVPool  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 POSITIONS = 128
+PROMPT, OUTPUT = 256, 64  # each row's history: what penalties count
 SETTINGS = {  # name -> SamplingParams, the settings clients send most
     "greedy": SamplingParams(temperature=0),
     "temperature 1": SamplingParams(temperature=1.0),
@@ -84,13 +86,19 @@ def main() -> int:
     for name, params in SETTINGS.items():
         for rows in args.rows:
             picked = logits[torch.randperm(logits.shape[0], generator=generator)[:rows]].contiguous()
-            history = [tuple(range(1, 65))] * rows
-            batch = sampler.SamplingBatch.from_params([params] * rows, history, history, vocab, (2,),
-                                                      generator=generator)
+            prompts = [tuple(torch.randint(vocab, (PROMPT,), generator=generator).tolist()) for _ in range(rows)]
+            outputs = [tuple(torch.randint(vocab, (OUTPUT,), generator=generator).tolist()) for _ in range(rows)]
+
+            def step(params: SamplingParams = params, picked: torch.Tensor = picked, prompts: list = prompts,
+                     outputs: list = outputs) -> None:
+                batch = sampler.SamplingBatch.from_params([params] * len(prompts), prompts, outputs, vocab, (2,),
+                                                          generator=generator)
+                sampler.sample(picked, batch)
+
             cells, medians = [], []
             for path in paths:
                 sampler._cpu_kernels = on_cpu if path == "kernel" else torch_path
-                times = call_times(lambda: sampler.sample(picked, batch), args.calls)  # noqa: B023
+                times = call_times(step, args.calls)
                 medians.append(statistics.median(times))
                 cells.append(f"{fastest_tenth(times) * 1e3:.3f} / {medians[-1] * 1e3:.3f}")
             ratio = f" {medians[1] / medians[0]:.1f}x |" if args.compare else ""

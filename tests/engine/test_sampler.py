@@ -96,7 +96,7 @@ def test_penalties_match_direct_formula():
 def test_penalties_change_nothing_when_off():
     logits = torch.randn(2, VOCAB)
     batch = SamplingBatch.from_params([SamplingParams()] * 2, [[1, 2], [3]], [[4], [5, 5]], VOCAB)
-    assert batch.output_counts is None
+    assert batch.penalty_rows is None
     assert torch.equal(processed_logits(logits, batch), logits)
 
 
