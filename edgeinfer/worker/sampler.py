@@ -214,7 +214,8 @@ def _seen_tokens(prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Seque
     """SamplingBatch's penalty pairs: each row's distinct tokens of prompt and output, in (row,
     token) order, and how often the output holds each."""
     def keys(lists: Sequence[Sequence[int]]) -> torch.Tensor:  # row * V + token, flat
-        rows = torch.repeat_interleave(torch.arange(len(lists)), torch.tensor([len(t) for t in lists], dtype=torch.int64))
+        lengths = torch.tensor([len(t) for t in lists], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(lists)), lengths)
         return rows * vocab_size + torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
 
     prompt_keys, output_keys = keys(prompt_ids), keys(output_ids)

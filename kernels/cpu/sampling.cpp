@@ -227,9 +227,20 @@ void nucleus_candidates(const float* x, const float* e, int64_t n, double mass, 
       break;
     }
   }
+  // The tokens at or above the bound and of positive weight, 8 weights a compare.
+  const float least = std::max(bound, std::numeric_limits<float>::denorm_min());
+  const __m256 lv = _mm256_set1_ps(least);
   best.clear();
-  for (int64_t i = 0; i < n; ++i) {
-    if (e[i] > 0 && e[i] >= bound) best.push_back({x[i], i});
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    int in = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), lv, _CMP_GE_OQ));
+    for (; in; in &= in - 1) {
+      const int64_t j = i + __builtin_ctz(in);
+      best.push_back({x[j], j});
+    }
+  }
+  for (; i < n; ++i) {
+    if (e[i] >= least) best.push_back({x[i], i});
   }
   std::sort(best.begin(), best.end(), better);
 }
