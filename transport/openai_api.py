@@ -315,19 +315,20 @@ class OpenAIApi:
 
 
 async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Event]]:
-    """(prompt index, event) from every stream as they come. Leaving early (a disconnect) cancels
-    the pumps, and each pump's `aclosing` closes its engine stream: the requests are cancelled."""
+    """(prompt index, event) from every stream as they come. Leaving early (a disconnect) closes
+    every engine stream: the requests are cancelled. A lone stream (one prompt, the usual
+    request) is read in place; several are pumped into one queue by a task each."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(_ended_by_errors(streams[0])) as events:
+            async for event in events:
+                yield 0, event
+        return
     queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
 
     async def pump(index: int, events: Any) -> None:
-        try:
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    await queue.put((index, event))
-        except RequestError as exc:
-            await queue.put((index, Error("", exc.code, exc.message, exc.retry_after_s)))
-        except Exception as exc:  # an engine failure ends this request with a 500, never the server
-            await queue.put((index, Error("", INTERNAL, f"{type(exc).__name__}: {exc}")))
+        async with contextlib.aclosing(_ended_by_errors(events)) as guarded:
+            async for event in guarded:
+                await queue.put((index, event))
         await queue.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
@@ -343,6 +344,19 @@ async def _merged(streams: list[Any]) -> AsyncIterator[tuple[int, Event]]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _ended_by_errors(events: Any) -> AsyncIterator[Event]:
+    """A request's engine events, closed with this generator; an engine stream that raises ends
+    with an Error event instead (an engine failure ends this request with a 500, never the server)."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except RequestError as exc:
+        yield Error("", exc.code, exc.message, exc.retry_after_s)
+    except Exception as exc:
+        yield Error("", INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 def _engine_error(code: str, message: str, retry_after_s: float | None, prompt_param: str,
