@@ -2,8 +2,7 @@
 
 An actor is a coroutine that owns its state and reads envelopes from a bounded mailbox (a memory
 object stream). `ActorRef` is the send side: `tell` posts a fire-and-forget message, `ask` posts
-a message with a one-shot reply stream and waits for the answer, `post` posts it and returns the
-`Reply` to await later. `serve` is the loop most actors
+a message with a one-shot reply stream and waits for the answer. `serve` is the loop most actors
 run: it calls a handler per message and replies; a handler that raises answers the pending ask
 with the failure (the caller gets ActorFailed, never a hang) and then re-raises, so the
 supervising task group cancels the other actors. The actor's own task is the one writer of its
@@ -67,53 +66,24 @@ class ActorRef(Generic[Msg]):
 
     async def ask(self, message: Msg) -> Any:
         """Post a message and wait for the handler's return value; ActorFailed if it raised."""
-        return await (await self.post(message)).answer()
-
-    async def post(self, message: Msg) -> Reply:
-        """Post a message that wants an answer and return without waiting for it, so the caller
-        can work while the actor handles it; `await reply.answer()` then (or `reply.close()`).
-        As with `tell`, the message is in the mailbox before this first yields."""
         reply_send, reply_receive = anyio.create_memory_object_stream[Any](1)
-        envelope = Envelope(message, reply_send)
-        try:
+        with reply_receive:
             try:
-                self._send.send_nowait(envelope)
-            except anyio.WouldBlock:
-                await self._send.send(envelope)
-        except BaseException as exc:
-            reply_send.close()
-            reply_receive.close()
-            if isinstance(exc, (anyio.ClosedResourceError, anyio.BrokenResourceError)):
+                await self._send.send(Envelope(message, reply_send))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                reply_send.close()
                 raise ActorFailed(f"actor {self.name} is not running") from None
-            raise
-        return Reply(self.name, reply_receive)
+            try:
+                reply = await reply_receive.receive()
+            except anyio.EndOfStream:
+                raise ActorFailed(f"actor {self.name} stopped before replying") from None
+        if isinstance(reply, _Failure):
+            raise ActorFailed(f"actor {self.name} failed: {reply.error!r}") from reply.error
+        return reply
 
     def close(self) -> None:
         """Drop this sender; the actor ends once every sender is closed and its mailbox drained."""
         self._send.close()
-
-
-class Reply:
-    """The answer to one posted message (ActorRef.post), awaited once."""
-
-    def __init__(self, name: str, receive: MemoryObjectReceiveStream[Any]) -> None:
-        self._name = name
-        self._receive = receive
-
-    async def answer(self) -> Any:
-        """The handler's return value; ActorFailed if it raised or the actor stopped first."""
-        with self._receive:
-            try:
-                reply = await self._receive.receive()
-            except anyio.EndOfStream:
-                raise ActorFailed(f"actor {self._name} stopped before replying") from None
-        if isinstance(reply, _Failure):
-            raise ActorFailed(f"actor {self._name} failed: {reply.error!r}") from reply.error
-        return reply
-
-    def close(self) -> None:
-        """Give up on the answer (the actor's reply is then dropped)."""
-        self._receive.close()
 
 
 def mailbox(name: str, size: int) -> tuple[ActorRef[Any], MemoryObjectReceiveStream[Envelope[Any]]]:

@@ -7,9 +7,8 @@ the `stats` snapshot that the Engine reads. Its inbox carries Submit messages fr
 
 The loop: wait for a submission while idle; take every queued submission; drop each request
 whose client closed its receive stream (freeing its blocks before the next step is planned);
-then `plan = scheduler.schedule(); reply = await model.post(plan)`, send the previous step's
-events, `events = scheduler.postprocess(plan, await reply.answer())`, kept for the next step (or
-sent at once when no step follows). A failed model step (ActorFailed: the
+then `plan = scheduler.schedule(); result = await model.ask(plan); events =
+scheduler.postprocess(plan, result)` and send the events. A failed model step (ActorFailed: the
 engine's supervisor is restarting the model actor) fails the requests that step carried and the
 loop goes on; the next ask waits in the model's mailbox until the actor is back. A submission
 that raises fails that request alone. Event streams are sized to hold every event of a request
@@ -78,7 +77,6 @@ class SchedulerActor:
         self.scheduler = scheduler
         self._model = model
         self._streams: dict[str, MemoryObjectSendStream[Event]] = {}
-        self._pending: list[Event] = []  # the last step's events, sent once the next step is posted
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
         self._recent_tokens = 0  # sum of the tokens in _recent
         self._num_steps = 0
@@ -93,7 +91,6 @@ class SchedulerActor:
             async with inbox:
                 while True:
                     if not self.scheduler.has_work:
-                        self._send_pending()  # the last step's, with no next step to wait for
                         try:
                             self._submit((await inbox.receive()).message)
                         except anyio.EndOfStream:
@@ -107,7 +104,6 @@ class SchedulerActor:
                     if self.scheduler.has_work:
                         await self._step()
         finally:
-            self._send_pending()
             self._answer_all(code, inbox)
             self._model.close()
 
@@ -116,27 +112,18 @@ class SchedulerActor:
         # Cannot be empty: a waiting request is always admitted when nothing runs.
         assert plan.seqs, "the scheduler planned an empty step while it has work"
         try:
-            reply = await self._model.post(plan)
-            # The last step's events go out once this step is in the model's mailbox: the model
-            # actor, woken first, starts the step before their readers run, so what a reader does
-            # with a token (an HTTP chunk: ~0.5 ms) overlaps the step instead of delaying it.
-            self._send_pending()
-            result = await reply.answer()
+            result = await self._model.ask(plan)
         except ActorFailed as exc:
             cause = exc.__cause__ or exc
             why = f"the model step running this request failed ({type(cause).__name__}: {cause})"
             events = self.scheduler.fail_step(plan, why[:500])
         else:
             events = self.scheduler.postprocess(plan, result)
-        self._pending.extend(events)
+        for event in events:
+            self._send(event)
         self._num_steps += 1
         # Tokens, not steps: a step emits several for n > 1 forks and accepted drafts.
         self._publish_stats(sum(len(e.token_ids) for e in events if isinstance(e, Token)))
-
-    def _send_pending(self) -> None:
-        events, self._pending = self._pending, []
-        for event in events:
-            self._send(event)
 
     def _submit(self, msg: Submit) -> None:
         try:
