@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from edgeinfer.cli.event_loop import run_coroutine  # noqa: E402
 from edgeinfer.config import CPU_ACTIVATIONS, RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
@@ -182,7 +183,7 @@ def main() -> int:
     if args.what == "forward":
         forward_only(args.streams, args.context, args.repeats)
     if args.what in ("step", "all"):
-        asyncio.run(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
+        run_coroutine(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
                                  args.prompt_tokens, args.temperature, args.top_p))
     return 0
 

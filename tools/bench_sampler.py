@@ -8,6 +8,8 @@ timed --calls times on rows drawn from those logits; the table gives the fastest
 ms, with --compare both the C++ ops (kernels/cpu/sampling.cpp) and the sampler's torch path
 (its reference), alternated per setting: ``EDGEINFER_CPU_KERNEL`` is read once per process, so
 the tool swaps the sampler's private ``_cpu_kernels`` choice (a measurement tool, not an API).
+First, the selection ops alone: the head refinement's top-64 and greedy's argmax, C++ against
+torch (torch.topk, max's indices).
 
     python tools/bench_sampler.py [--rows 1,16] [--calls 200] [--compare]
 """
@@ -79,7 +81,19 @@ def main() -> int:
     def torch_path(_: torch.Tensor) -> bool:
         return False
 
-    print(f"sample() on the default model's logits ({logits.shape[0]} positions of tinyshakespeare), "
+    print(f"selection over the default model's logits, {args.calls} calls, ms: fastest tenth / median")
+    print("| op | rows | C++ (row_topk) | torch | torch / C++ (medians) |\n|---|---|---|---|---|")
+    selections = (("the head's top-64", 64, lambda x: x.topk(64, dim=-1)),
+                  ("greedy's argmax", 1, lambda x: x.max(dim=-1).indices))
+    for name, k, torch_op in selections if cpu_ops.available() else ():
+        for rows in args.rows:
+            picked = logits[:rows].contiguous()
+            ours = call_times(lambda: cpu_ops.row_topk(picked, k), args.calls)  # noqa: B023
+            theirs = call_times(lambda: torch_op(picked), args.calls)  # noqa: B023
+            print(f"| {name} | {rows} | {fastest_tenth(ours) * 1e3:.3f} / {statistics.median(ours) * 1e3:.3f} | "
+                  f"{fastest_tenth(theirs) * 1e3:.3f} / {statistics.median(theirs) * 1e3:.3f} | "
+                  f"{statistics.median(theirs) / statistics.median(ours):.1f}x |")
+    print(f"\nsample() on the default model's logits ({logits.shape[0]} positions of tinyshakespeare), "
           f"{args.calls} calls, ms: fastest tenth / median; C++ ops here: {cpu_ops.available()}")
     print("| setting | rows | " + " | ".join(paths) + (" | torch / kernel |" if args.compare else " |"))
     print("|---|---|" + "---|" * (len(paths) + args.compare))

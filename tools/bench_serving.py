@@ -3,7 +3,8 @@
 For each N in --streams, N greedy requests (distinct prompts of --prompt-tokens token ids, so the
 prefix cache does not help; --new-tokens each, EOS ignored) start together. Targets (--target):
 
-- ``engine``: edgeinfer's Engine in this process (times taken where its events arrive, from the
+- ``engine``: edgeinfer's Engine in this process, on the event loop the commands run
+  (edgeinfer.cli.event_loop: uvloop where installed; times taken where its events arrive, from the
   round's start, as the HTTP client takes them).
 - ``openai``: ``edgeinfer serve`` in a subprocess, driven over ``POST /v1/completions`` with
   ``stream: true`` by tools/bench_http.py's client (times taken at the client).
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import free_port, wait_healthy  # noqa: E402
 from bench_http import Connection  # noqa: E402
 
+from edgeinfer.cli.event_loop import run_async  # noqa: E402
 from edgeinfer.config import CPU_ACTIVATIONS, KV_DTYPES, LINEAR_PATHS, RuntimeConfig, SchedulerConfig  # noqa: E402
 from edgeinfer.core.events import Error, Finished, Token  # noqa: E402
 from edgeinfer.core.request import GenerateRequest  # noqa: E402
@@ -193,7 +195,7 @@ def run_http(target: str, args: argparse.Namespace, encode, tag: str) -> list[di
             await http_round(port, headers, 1, args, encode, f"{tag}-warmup", new_tokens=4)
             return [await http_round(port, headers, n, args, encode, f"{tag}-n{n}") for n in args.streams]
 
-        return anyio.run(rounds)
+        return run_async(rounds)
 
 
 def run_alternated(args: argparse.Namespace, encode) -> dict[str, list[list[dict[str, float]]]]:  # noqa: ANN001
@@ -202,7 +204,7 @@ def run_alternated(args: argparse.Namespace, encode) -> dict[str, list[list[dict
     for run in range(args.runs):
         for target in args.target:
             if target == "engine":
-                results[target].append(anyio.run(run_engine, args, f"r{run}"))
+                results[target].append(run_async(run_engine, args, f"r{run}"))
             elif target == "llama-batched-bench":
                 results[target].append(run_batched_bench(args))
             else:
@@ -239,7 +241,7 @@ def run_paired(args: argparse.Namespace, encode) -> dict[str, list[list[dict[str
             async with Engine(engine_config(args)) as engine:
                 await rounds(engine, port, headers)
 
-    anyio.run(main)
+    run_async(main)
     return results
 
 

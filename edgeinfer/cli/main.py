@@ -38,8 +38,7 @@ if TYPE_CHECKING:
 def cmd_generate(args: argparse.Namespace) -> int:
     """One completion, streamed to stdout, through the engine `serve` runs (plain sampling, stop
     strings, speculative decoding by prompt lookup or a draft model, beam search)."""
-    import anyio
-
+    from edgeinfer.cli.event_loop import run_async
     from edgeinfer.config import SchedulerConfig
     from edgeinfer.core.events import Error, Finished, Token
     from edgeinfer.core.request import GenerateRequest
@@ -73,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 elif isinstance(event, Finished):
                     _print_finished(event, args.beam_width)
 
-    anyio.run(run)
+    run_async(run)
     return 0
 
 
@@ -156,8 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     second request on the same prompt (its prefix cached) between its first and last token,
     after a warm-up request of the same length (so first-call allocations are not timed). The
     KV pool holds that one request, as a single-stream tool needs."""
-    import anyio
-
+    from edgeinfer.cli.event_loop import run_async
     from edgeinfer.config import SchedulerConfig
     from edgeinfer.core.events import Error, Finished
     from edgeinfer.core.request import GenerateRequest
@@ -196,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "linear_path": linear_path,
         }
 
-    result = anyio.run(run)
+    result = run_async(run)
     if args.json:
         print(json.dumps(result))
     else:

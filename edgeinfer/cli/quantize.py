@@ -176,8 +176,7 @@ def _ppl_parser() -> argparse.ArgumentParser:
 
 def eval_ppl_main(argv: list[str]) -> int:
     """Perplexity on the engine (quant.perplexity), the model loaded as ``edgeinfer serve`` loads it."""
-    import anyio
-
+    from edgeinfer.cli.event_loop import run_async
     from edgeinfer.engine.api import Engine
     from quant.perplexity import PerplexityResult, engine_config, perplexity, text_tokens
 
@@ -200,7 +199,7 @@ def eval_ppl_main(argv: list[str]) -> int:
     progress = ProgressBar("window")
     try:
         start = time.perf_counter()
-        result = anyio.run(run)
+        result = run_async(run)
     except (ValueError, OSError, ModelFileError) as exc:
         progress.close()
         print(f"edgeinfer eval-ppl: error: {exc}", file=sys.stderr)

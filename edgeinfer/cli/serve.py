@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from edgeinfer.cli.event_loop import run_coroutine
 from edgeinfer.cli.options import (
     HelpFormatter,
     add_log_level,
@@ -82,7 +83,7 @@ def serve_main(argv: list[str]) -> int:
                                                max_num_batched_tokens=args.max_num_batched_tokens),
                                state_dir=args.daemon_state,
                                draft_model_path=str(model_path(args.draft_model)) if args.draft_model else None)
-        return asyncio.run(run_service(config))
+        return run_coroutine(run_service(config))
     except (ValueError, OSError, RuntimeError) as exc:  # bad flags, port in use, token file, daemon lock
         print(f"edgeinfer serve: error: {exc}", file=sys.stderr)
         return 2
@@ -177,7 +178,7 @@ def chat_main(args: argparse.Namespace) -> int:
             return await chat_repl(backend, params, read_lines(), on_answer=on_answer)
 
     try:
-        return asyncio.run(main())
+        return run_coroutine(main())
     except asyncio.CancelledError:
         print()
         return 130
