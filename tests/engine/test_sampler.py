@@ -9,7 +9,9 @@ import torch
 from oracles import reference_probs
 
 from edgeinfer.core.sampling_params import SamplingParams
+from edgeinfer.worker import sampler
 from edgeinfer.worker.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
+from kernels import cpu_ops
 
 VOCAB = 12
 NUM_SAMPLES = 40_000
@@ -41,6 +43,17 @@ def sample_many(logits: torch.Tensor, params: SamplingParams, seeded: bool = Fal
 LOGITS = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 1.5
 
 
+@pytest.fixture(params=["cpu_ops", "torch"])
+def path(request, monkeypatch):
+    """Both ways `sample` chooses tokens: the C++ ops (CPU logits, where they build) and the torch
+    path (their reference; CUDA's)."""
+    if request.param == "cpu_ops" and not cpu_ops.available():
+        pytest.skip("the C++ CPU ops do not build here")
+    if request.param == "torch":
+        monkeypatch.setattr(sampler, "_cpu_kernels", lambda logits: False)
+    return request.param
+
+
 @pytest.mark.parametrize("kwargs", [
     {},
     {"temperature": 0.6},
@@ -51,14 +64,14 @@ LOGITS = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 1.5
     {"min_p": 0.1},
     {"top_k": 6, "top_p": 0.8, "min_p": 0.05, "temperature": 1.3},
 ])
-def test_frequencies_match_truncated_distribution(kwargs):
+def test_frequencies_match_truncated_distribution(kwargs, path):
     expected = reference_probs(LOGITS, **kwargs)
     counts = sample_many(LOGITS, SamplingParams(**kwargs))
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"top_k": 6, "top_p": 0.8, "min_p": 0.05, "temperature": 1.3}])
-def test_seeded_rows_have_the_same_distribution(kwargs):
+def test_seeded_rows_have_the_same_distribution(kwargs, path):
     """Seeds 0..N-1 draw their uniforms from seeded_uniform: they must be as uniform as torch's."""
     expected = reference_probs(LOGITS, **kwargs)
     counts = sample_many(LOGITS, SamplingParams(**kwargs), seeded=True)
@@ -100,7 +113,7 @@ def test_penalties_change_nothing_when_off():
     assert torch.equal(processed_logits(logits, batch), logits)
 
 
-def test_seed_gives_same_tokens_whatever_the_neighbours():
+def test_seed_gives_same_tokens_whatever_the_neighbours(path):
     gen = torch.Generator().manual_seed(3)
     target = SamplingParams(temperature=0.9, top_p=0.9, seed=42)
     for step in range(20):
@@ -122,7 +135,7 @@ def test_seeded_uniform_separates_seeds_choices_and_steps():
     assert seeded_uniform(9, 1, 2) == seeded_uniform(9, 1, 2)
 
 
-def test_greedy_rows_take_argmax_of_processed_logits():
+def test_greedy_rows_take_argmax_of_processed_logits(path):
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
     params = SamplingParams(temperature=0, frequency_penalty=1.0, top_k=1)
     batch = SamplingBatch.from_params([params], [[]], [[1]], 4)
@@ -145,7 +158,7 @@ def test_logit_bias_can_force_a_token():
     assert (sample(torch.randn(100, VOCAB), batch).token_ids == 5).all()
 
 
-def test_logprobs_are_post_penalty_pre_temperature():
+def test_logprobs_are_post_penalty_pre_temperature(path):
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(logprobs=3, temperature=0.5, top_k=2, presence_penalty=1.0),
               SamplingParams(),
@@ -211,6 +224,30 @@ def test_guide_masks_match_the_grammar_library_and_leave_other_rows_alone():
     assert torch.equal(processed_logits(logits, guided), torch.from_numpy(expected))
     out, alone = sample(logits, guided).token_ids, sample(logits, plain).token_ids
     assert out[[1, 4]].tolist() == alone[[1, 4]].tolist()  # seeded rows without a mask: unchanged
+
+
+def test_the_ops_draw_the_reference_paths_tokens(monkeypatch):
+    """The same uniforms through the C++ ops and the torch path, rows of a wide vocabulary flat to
+    peaked: the same tokens but where a uniform lands within float rounding of a step of the CDF."""
+    if not cpu_ops.available():
+        pytest.skip("the C++ CPU ops do not build here")
+    vocab, gen = 5003, torch.Generator().manual_seed(6)
+    settings = [{}, {"temperature": 0.7, "top_p": 0.9}, {"top_k": 40}, {"top_k": 300, "top_p": 0.8, "min_p": 0.02},
+                {"temperature": 1.4, "top_p": 0.99}, {"temperature": 0}]
+    params = [SamplingParams(**kw) for kw in settings for _ in range(20)]
+    logits = torch.randn(len(params), vocab, generator=gen) * torch.linspace(0.3, 8, len(params))[:, None]
+    batch = SamplingBatch.from_params(params, [[]] * len(params), [[]] * len(params), vocab, generator=gen)
+    ours = sample(logits, batch).token_ids
+    monkeypatch.setattr(sampler, "_cpu_kernels", lambda logits: False)
+    theirs = sample(logits, batch).token_ids
+    differ = (ours != theirs).nonzero().flatten().tolist()
+    for row in differ:  # only at a CDF step: u within rounding of the cumulative mass before a token
+        probs = sampling_probs(logits[row:row + 1], dataclasses.replace(
+            batch, **{f: getattr(batch, f)[row:row + 1] for f in ("temperature", "greedy", "top_k", "top_p",
+                                                                  "log_min_p", "uniforms")}))[0].double()
+        cdf = probs.cumsum(0) / probs.sum()
+        assert (cdf - batch.uniforms[row]).abs().min() < 1e-5, (row, int(ours[row]), int(theirs[row]))
+    assert len(differ) <= 2
 
 
 def test_masked_rows_never_pick_a_disallowed_token_and_keep_the_masked_distribution():
