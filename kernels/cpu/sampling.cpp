@@ -126,15 +126,18 @@ void nan_first(const float* x, int64_t n, int64_t k, std::vector<Entry>& best) {
 
 // The largest value of x[0, n), or NaN if x holds one.
 float row_max(const float* x, int64_t n) {
-  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 acc[2] = {lowest, lowest};  // two chains: max's latency, not its throughput, bounds one
   __m256 nan = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    acc = _mm256_max_ps(acc, v);
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 2; ++j) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      acc[j] = _mm256_max_ps(acc[j], v);
+    }
   }
-  float m = hmax(acc);
+  float m = hmax(_mm256_max_ps(acc[0], acc[1]));
   bool found_nan = _mm256_movemask_ps(nan) != 0;
   for (; i < n; ++i) {
     found_nan |= std::isnan(x[i]);
@@ -206,22 +209,30 @@ struct Scratch {
 // `mass`, with a margin for the float sums: the nucleus lies inside. Only a flat row, whose
 // nucleus is wide anyway, takes more than a few thousand.
 void nucleus_candidates(const float* x, const float* e, int64_t n, double mass, std::vector<Entry>& best) {
-  static constexpr float kNats[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 87};
+  static constexpr float kNats[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 87, 87, 87, 87};
   float bound = 0.0f;  // 0: every token of positive weight
-  for (const float c : kNats) {
-    const float cut = std::exp(-c);
-    const __m256 cv = _mm256_set1_ps(cut);
-    __m256 acc = _mm256_setzero_ps();
+  // Four bounds a pass, each its own sum (independent chains): usually one pass decides.
+  for (int g = 0; g < 16 && bound == 0.0f; g += 4) {
+    __m256 cut[4], acc[4];
+    for (int j = 0; j < 4; ++j) {
+      cut[j] = _mm256_set1_ps(std::exp(-kNats[g + j]));
+      acc[j] = _mm256_setzero_ps();
+    }
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
       const __m256 v = _mm256_loadu_ps(e + i);
-      acc = _mm256_add_ps(acc, _mm256_and_ps(v, _mm256_cmp_ps(v, cv, _CMP_GE_OQ)));
+      for (int j = 0; j < 4; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_and_ps(v, _mm256_cmp_ps(v, cut[j], _CMP_GE_OQ)));
     }
-    double sum = edgeinfer_cpu::hsum(acc);
-    for (; i < n; ++i) sum += e[i] >= cut ? e[i] : 0.0f;
-    if (sum >= mass * (1 + 1e-5)) {
-      bound = cut;
-      break;
+    for (int j = 0; j < 4; ++j) {
+      const float c = std::exp(-kNats[g + j]);
+      double sum = edgeinfer_cpu::hsum(acc[j]);
+      for (int64_t t = i; t < n; ++t) sum += e[t] >= c ? e[t] : 0.0f;
+      // The margin covers the fp32 sums (lanes of up to ~6,000 terms); sample_row checks the
+      // candidates' float64 mass anyway.
+      if (sum >= mass * (1 + 1e-3)) {
+        bound = c;
+        break;
+      }
     }
   }
   // The tokens at or above the bound and of positive weight, 8 weights a compare.
@@ -262,6 +273,11 @@ int64_t sample_row(const float* x, int64_t n, const RowParams& p, Scratch& scrat
     scratch.e.resize(n);
     norm = exp_terms(x, n, t, m, -std::numeric_limits<float>::infinity(), scratch.e.data(), scratch.blocks);
     nucleus_candidates(x, scratch.e.data(), n, p.top_p * norm, best);
+    double held = 0.0;
+    for (const Entry& c : best) held += std::exp(static_cast<double>(c.value / t - m));
+    if (held < p.top_p * norm) {  // rounding beyond the margin: every token of positive weight
+      nucleus_candidates(x, scratch.e.data(), n, std::numeric_limits<double>::infinity(), best);
+    }
   }
   const int64_t width = static_cast<int64_t>(best.size());
   std::vector<double>& w = scratch.w;
