@@ -157,8 +157,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values fp32, indices int64), each (B, k): the k largest values of each row of fp32 x (B, V),
-    largest first, the lower index first among equal values, NaN above every number (as torch.topk)."""
+    """(values fp32, indices int64), each (B, k): the k (0 to V) largest values of each row of fp32
+    x (B, V), largest first, the lower index first among equal values up to k = 128 (torch's order
+    above), NaN above every number (as torch.topk)."""
     return torch.ops.edgeinfer_cpu.row_topk(x, k)
 
 

@@ -326,8 +326,8 @@ at::Tensor rows_of(const at::Tensor& x, const char* name) {
 std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& x_in, int64_t k) {
   const at::Tensor x = rows_of(x_in, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], got ", k);
-  if (k > kHeapMaxK) return x.topk(k);
+  TORCH_CHECK(k >= 0 && k <= n, "k must be in [0, ", n, "], got ", k);
+  if (k == 0 || k > kHeapMaxK) return x.topk(k);  // k = 0: empty, as torch.topk (logprobs=0 asks none)
   at::Tensor values = at::empty({rows, k}, x.options());
   at::Tensor indices = at::empty({rows, k}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();

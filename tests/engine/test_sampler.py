@@ -173,6 +173,15 @@ def test_logprobs_are_post_penalty_pre_temperature(path):
     assert math.isfinite(out.top_logprobs[0, 2].item())  # outside top-k, still reported
 
 
+def test_logprobs_zero_reports_the_chosen_token_alone(path):
+    batch = SamplingBatch.from_params([SamplingParams(logprobs=0)] * 2, [[]] * 2, [[]] * 2, VOCAB)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(7))
+    out = sample(logits, batch)
+    assert out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
+    chosen = torch.log_softmax(logits, dim=-1).gather(-1, out.token_ids[:, None]).squeeze(-1)
+    assert torch.allclose(out.logprobs, chosen)
+
+
 def test_no_logprobs_when_none_asked():
     batch = SamplingBatch.from_params([SamplingParams()], [[]], [[]], VOCAB)
     out = sample(torch.randn(1, VOCAB), batch)

@@ -25,7 +25,7 @@ def _rows(vocab: int, scales: list[float], seed: int, masked: int = 0) -> torch.
 
 
 @pytest.mark.parametrize("vocab", [7, 1001, 49157])
-@pytest.mark.parametrize("k", [1, 5, 64, 128, 129, 700])
+@pytest.mark.parametrize("k", [0, 1, 5, 64, 128, 129, 700])
 def test_row_topk_matches_torch(vocab, k):
     if k > vocab:
         pytest.skip("k above the vocabulary")
