@@ -21,7 +21,8 @@ Order of operations, per row:
 
 Where the C++ CPU ops build, CPU logits take steps 5-9 (and greedy rows' argmax) in one op,
 kernels.cpu_ops.sample_rows, whose reference is the torch path here (CUDA, and CPUs without the
-ops, run it): ~7x faster at one row with top-p and 20-30x with top-k (tools/bench_sampler.py).
+ops, run it): with from_params, a one-row step 8-9x as fast with top-p and 11-13x with top-k
+(tools/bench_sampler.py --compare).
 Steps 1-4 stay in torch; penalties touch only the tokens a row has seen.
 
 Seeds: a seeded row's u is a pure function of (seed, choice index, step) where step is the
@@ -77,7 +78,8 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None  # (B,) float32
     # The (row, token) pairs penalties touch: every token a row has seen (its output's, and its
     # prompt's where it sent one: SeqStep.prompt_ids, for repetition_penalty), with its count in
-    # the output (0: the prompt's alone). Sparse: a (B, V) count per step cost ~8 ms at 16 rows.
+    # the output (0: the prompt's alone). Sparse: dense (B, V) counts made a 16-row step with
+    # repetition_penalty 3-4x as slow (tools/bench_sampler.py).
     penalty_rows: torch.Tensor | None  # (P,) int64
     penalty_ids: torch.Tensor | None  # (P,) int64
     penalty_counts: torch.Tensor | None  # (P,) float32
@@ -295,8 +297,8 @@ def _top_k_top_p_keep(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """(B,) the index of each row's largest value, the first of ties (as argmax). torch's CPU argmax
-    took 62-108 us over a 49152-token row, max's indices 21-100 us, the C++ top-1 a few."""
+    """(B,) the index of each row's largest value, the first of ties (as argmax). Over a 49152-token
+    row torch's max took ~0.1 ms for its indices, the C++ top-1 ~0.03 (tools/bench_sampler.py)."""
     if _cpu_kernels(logits):
         return cpu_ops.row_topk(logits.reshape(-1, logits.shape[-1]), 1)[1].view(logits.shape[:-1])
     return logits.max(dim=-1).indices
