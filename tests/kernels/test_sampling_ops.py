@@ -24,11 +24,9 @@ def _rows(vocab: int, scales: list[float], seed: int, masked: int = 0) -> torch.
     return x
 
 
-@pytest.mark.parametrize("vocab", [7, 1001, 49157])
-@pytest.mark.parametrize("k", [0, 1, 5, 64, 128, 129, 700])
+@pytest.mark.parametrize(("vocab", "k"), [(v, k) for v in (7, 1001, 49157) for k in (0, 1, 5, 7, 64, 128, 129, 700)
+                                           if k <= v])
 def test_row_topk_matches_torch(vocab, k):
-    if k > vocab:
-        pytest.skip("k above the vocabulary")
     x = _rows(vocab, [0.5, 3.0, 8.0], seed=vocab + k, masked=vocab // 10)
     values, indices = cpu_ops.row_topk(x, k)
     want_values, want_indices = x.topk(k, dim=-1)
