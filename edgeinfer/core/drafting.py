@@ -40,9 +40,10 @@ class SpeculationMixin:
     def _drafts(self, seq: SeqState, budget: int, copies: list[tuple[int, int]]) -> tuple[tuple[int, ...], int]:
         """(prompt-lookup drafts, number of draft-model drafts) for a decoding sequence, their
         slots reserved; none while the batch is wide or no free block is left for them."""
-        tokens = seq.token_ids
-        if (not self._may_draft(seq) or len(self.running) > self.config.speculate_max_seqs
-                or seq.kv.num_computed != len(tokens) - 1):
+        if not self._may_draft(seq) or len(self.running) > self.config.speculate_max_seqs:
+            return (), 0
+        tokens = seq.token_ids  # a copy of the whole sequence: only where drafting may run
+        if seq.kv.num_computed != len(tokens) - 1:
             return (), 0
         p = seq.params
         limit = min(seq.spec.draft_k.k, self.config.max_draft_tokens, budget,
