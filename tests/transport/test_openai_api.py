@@ -106,6 +106,18 @@ def test_chat_logprobs_in_the_content_shape(live: LiveServer) -> None:
         assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
 
 
+def test_chat_logprobs_without_alternatives(live: LiveServer) -> None:
+    """logprobs=true alone: each token's own logprob and no alternatives (the sampler's top-k of 0),
+    sampled as well as greedy."""
+    client = openai.OpenAI(base_url=base_url(live), api_key=TOKEN, timeout=TIMEOUT_S)
+    for temperature in (0, 0.8):
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                               temperature=temperature, logprobs=True, seed=3)
+        content = reply.choices[0].logprobs.content
+        assert 1 <= len(content) <= 4 and reply.choices[0].finish_reason in ("stop", "length")
+        assert all(entry.top_logprobs == [] and entry.logprob <= 0 for entry in content)
+
+
 def test_async_client_seed_reproducibility_streaming_and_not(live: LiveServer) -> None:
     async def main() -> None:
         client = openai.AsyncOpenAI(base_url=base_url(live), api_key=TOKEN, timeout=TIMEOUT_S)
