@@ -1,7 +1,8 @@
 """Serving benchmark: N concurrent streams, through the engine, its OpenAI HTTP API, and llama.cpp.
 
-For each N in --streams, N greedy requests (distinct prompts of --prompt-tokens token ids, so the
-prefix cache does not help; --new-tokens each, EOS ignored) start together. Targets (--target):
+For each N in --streams, N greedy requests, or sampled ones with --temperature and --top-p
+(distinct prompts of --prompt-tokens token ids, so the prefix cache does not help; --new-tokens
+each, EOS ignored) start together. Targets (--target):
 
 - ``engine``: edgeinfer's Engine in this process, on the event loop the commands run
   (edgeinfer.cli.event_loop: uvloop where installed; times taken where its events arrive, from the
@@ -92,7 +93,8 @@ def round_figures(num_streams: int, streams: list[tuple[float, float, int]], wal
 async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespace, round_id: str,
                        new_tokens: int | None = None) -> dict[str, float]:
     done: list[tuple[float, float, int]] = []
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens or args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=new_tokens or args.new_tokens,
+                            ignore_eos=True)
     requests = [GenerateRequest(f"{round_id}-{i}", params=params, prompt_token_ids=tuple(
         prompt_ids(engine.tokenizer.encode, f"{round_id}-{i}", args.prompt_tokens))) for i in range(num_streams)]
     start = time.perf_counter()
@@ -159,7 +161,8 @@ async def _timed_round(connections: list[Connection], args: argparse.Namespace, 
     model = (await connections[0].get_json("/v1/models"))["data"][0]["id"]
     requests = [connection.request_bytes("POST", "/v1/completions", {
         "model": model, "prompt": prompt_ids(encode, f"{round_id}-{i}", args.prompt_tokens),
-        "max_tokens": new_tokens or args.new_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
+        "max_tokens": new_tokens or args.new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "stream": True, "ignore_eos": True,
         "cache_prompt": False, "stream_options": {"include_usage": True}})
         for i, connection in enumerate(connections)]
     start = time.perf_counter()
@@ -340,7 +343,10 @@ def main() -> None:
     p.add_argument("--model", default=default_model_path(), type=Path, help="GGUF file (default: the default model)")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64], help="concurrent streams per round")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default: 64)")
-    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per stream (default: 64)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per stream (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="engine and HTTP targets: 0 is greedy (default); llama-batched-bench decodes greedily")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default: 1, off)")
     p.add_argument("--token-budget", type=int, default=None,
                    help="engine: max tokens per step (default: the engine's for the device, 128 on the CPU)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"), help="engine device (default: cpu)")
@@ -361,6 +367,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if any(t.startswith("llama") for t in args.target) and "LLAMA_CPP_BIN" not in os.environ:
         p.error("LLAMA_CPP_BIN is not set: run `eval \"$(tools/build_llama_cpp.sh)\"` first")
+    if args.temperature and "llama-batched-bench" in args.target:
+        p.error("llama-batched-bench decodes greedily: leave it out with --temperature (llama-server samples)")
     if args.paired and args.target != ["engine", "openai"]:
         p.error("--paired compares --target engine openai (in that order)")
     encode = load_model(str(args.model)).tokenizer.encode
@@ -369,7 +377,8 @@ def main() -> None:
         for target, runs in results.items():
             for run, rows in enumerate(runs):
                 print(json.dumps({"target": target, "run": run, "rows": rows}))
-    print(f"{args.model.name}: {args.prompt_tokens}-token prompts, {args.new_tokens} greedy tokens per stream, "
+    sampling = "greedy" if not args.temperature else f"sampled (temperature {args.temperature}, top_p {args.top_p})"
+    print(f"{args.model.name}: {args.prompt_tokens}-token prompts, {args.new_tokens} {sampling} tokens per stream, "
           f"threads {args.threads or os.cpu_count()}, {args.runs} {'paired' if args.paired else 'alternated'} "
           "run(s), median (min-max)")
     print_summary(results, args.streams)
