@@ -266,28 +266,27 @@ int64_t sample_row(const float* x, int64_t n, const RowParams& p, Scratch& scrat
     return draw_all(scratch.e.data(), n, scratch.blocks, total, p.u);
   }
   std::vector<Entry>& best = scratch.best;
+  std::vector<double>& w = scratch.w;
+  const auto weigh = [&] {  // w: each candidate's weight exp(x / t - m); returns their sum
+    w.resize(best.size());
+    double sum = 0.0;
+    for (size_t j = 0; j < best.size(); ++j) sum += w[j] = std::exp(static_cast<double>(best[j].value / t - m));
+    return sum;
+  };
   double norm;  // top-p's normaliser: the top-k's weight, or with top-k off every token's
   if (k < n) {
     TORCH_CHECK(top_k(x, n, k, best), "row ", row, " of the logits holds a NaN");
+    norm = weigh();
   } else {
     scratch.e.resize(n);
     norm = exp_terms(x, n, t, m, -std::numeric_limits<float>::infinity(), scratch.e.data(), scratch.blocks);
     nucleus_candidates(x, scratch.e.data(), n, p.top_p * norm, best);
-    double held = 0.0;
-    for (const Entry& c : best) held += std::exp(static_cast<double>(c.value / t - m));
-    if (held < p.top_p * norm) {  // rounding beyond the margin: every token of positive weight
+    if (weigh() < p.top_p * norm) {  // rounding beyond the margin: every token of positive weight
       nucleus_candidates(x, scratch.e.data(), n, std::numeric_limits<double>::infinity(), best);
+      weigh();
     }
   }
   const int64_t width = static_cast<int64_t>(best.size());
-  std::vector<double>& w = scratch.w;
-  w.resize(width);
-  double mass = 0.0;
-  for (int64_t j = 0; j < width; ++j) {
-    w[j] = std::exp(static_cast<double>(best[j].value / t - m));
-    mass += w[j];
-  }
-  if (k < n) norm = mass;
   // Top-p: the prefix whose tokens have less than top_p of the mass before them.
   int64_t kept = width;
   if (p.top_p < 1.0f) {
