@@ -15,7 +15,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CONTEXT = 8192  # tokens a sequence may hold unless --ctx says otherwise
 # How the CPU kernels round activations (kernels.dispatch).
-CPU_ACTIVATIONS = ("auto", "int16", "int8", "int8x2", "bf16", "bf16-prompts")
+CPU_ACTIVATIONS = ("auto", "int16", "int8", "int8x2", "int8x2-lean", "bf16", "bf16-prompts")
 KV_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 
 
@@ -217,10 +217,12 @@ class RuntimeConfig:
     # int16: the int16-activation kernels, a scale per 4 values, the accuracy reference; int8: the
     # int8-activation (VNNI) GEMMs on the CPU's quantized linears, a scale per 32 values
     # (kernels.cpu_a8; llama.cpp's rounding, +0.5% perplexity); int8x2: x and its rounding
-    # residual (on d / 16) as two int8 terms, int16's accuracy through the same GEMMs; bf16: x and the
+    # residual (on d / 16) as two int8 terms, int16's accuracy through the same GEMMs; int8x2-lean:
+    # int8x2 with the attention output projection and the head's coarse pass in one term (the same
+    # measured accuracy, less work: kernels.dispatch.LEAN_ONE_TERM); bf16: x and the
     # weights rounded to bf16, fp32 sums on the AMX-BF16 tile unit (Sapphire Rapids and later
     # Xeons only; fastest from ~16 rows, slow for one); bf16-prompts: prompt tokens in bf16,
-    # generated ones in int8x2; auto: bf16-prompts where the CPU has AMX-BF16, int8x2 where it
+    # generated ones in int8x2; auto: bf16-prompts where the CPU has AMX-BF16, int8x2-lean where it
     # has VNNI, else int16 (kernels.dispatch.resolve_cpu_activations).
     cpu_activations: str = "auto"
 

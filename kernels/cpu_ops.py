@@ -199,7 +199,7 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   k_scales: Sequence[torch.Tensor] = (), v_scales: Sequence[torch.Tensor] = (),
                   k_zeros: Sequence[torch.Tensor] = (), v_zeros: Sequence[torch.Tensor] = (),
                   rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None,
-                  a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "", a8_terms: int = 1,
+                  a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "", a8_terms: Sequence[int] = (),
                   a8_bf16_rows: torch.Tensor | None = None, qkv_biases: Sequence[torch.Tensor] = (),
                   qk_norms: Sequence[torch.Tensor] = (), out_norms: Sequence[torch.Tensor] = (), window: int = 0,
                   global_every: int = 0, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -208,27 +208,28 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
     keys less ``key_centres`` (layers, Hkv, D) first.
-    ``weights``: 14 per layer (``decode_layer_weights``): the input norm, (codes, scales, mins)
-    of QKV and of the output projection, the post-attention norm, then (codes, scales, mins) of
-    gate/up and of down, each linear int4 or int8 with the group size its scales imply, or, with
-    ``a8_isa`` (kernels.cpu_a8.ISAS), every linear a cpu_a8 weight run with int8 activations on
-    that kernel, its wsum in ``a8_wsums`` (``decode_layer_wsums``), activations in ``a8_terms``
-    int8 terms (kernels.cpu_a8.a8_linear), except the rows ``a8_bf16_rows`` ((M,) bool) marks,
-    which run in bf16 on AMX-BF16; ``qkv_biases`` (one fp32 ((Hq + 2 Hkv) * D,) per layer, added
-    to QKV) and ``qk_norms`` (q's and k's fp32 (D,) RMSNorm weights per layer, over each head before
-    RoPE) and ``out_norms`` (Gemma's sandwich norms: the attention's and the MLP's output norm
-    weights per layer), where the architecture has them; ``window``: the sliding window of local
-    layers (a query attends to itself and the window - 1 tokens before it; 0: none), every layer
-    local unless ``global_every`` makes each global_every-th global; ``local_rope``: local layers'
-    own (cos, signed_sin) tables (Gemma 3); ``activation``: "silu" or "gelu_tanh";
-    ``attn_softcap``: scores -> cap * tanh(scores / cap) before the softmax (Gemma 2; 0: none);
-    ``v_weights``: none, or four per layer (``decode_layer_v``): V's own weight where it comes in
-    another format than Q's and K's, the layer's QKV weight then holding Q and K only;
-    ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half negated."""
+    ``weights``: 14 per layer (``decode_layer_weights``): the input norm, (codes, scales, mins) of
+    QKV and of the output projection, the post-attention norm, then (codes, scales, mins) of gate/up
+    and of down, each linear int4 or int8 with the group size its scales imply, or, with ``a8_isa``
+    (kernels.cpu_a8.ISAS), every linear a cpu_a8 weight run with int8 activations on that kernel,
+    its wsum in ``a8_wsums`` (``decode_layer_wsums``), its activations in as many int8 terms as
+    ``a8_terms`` gives it (``decode_layer_terms``; kernels.cpu_a8.a8_linear), except the rows
+    ``a8_bf16_rows`` ((M,) bool) marks, which run in bf16 on AMX-BF16; ``qkv_biases`` (one fp32 ((Hq
+    + 2 Hkv) * D,) per layer, added to QKV) and ``qk_norms`` (q's and k's fp32 (D,) RMSNorm weights
+    per layer, over each head before RoPE) and ``out_norms`` (Gemma's sandwich norms: the
+    attention's and the MLP's output norm weights per layer), where the architecture has them;
+    ``window``: the sliding window of local layers (a query attends to itself and the window - 1
+    tokens before it; 0: none), every layer local unless ``global_every`` makes each global_every-th
+    global; ``local_rope``: local layers' own (cos, signed_sin) tables (Gemma 3); ``activation``:
+    "silu" or "gelu_tanh"; ``attn_softcap``: scores -> cap * tanh(scores / cap) before the softmax
+    (Gemma 2; 0: none); ``v_weights``: none, or four per layer (``decode_layer_v``): V's own weight
+    where it comes in another format than Q's and K's, the layer's QKV weight then holding Q and K
+    only; ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half
+    negated."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
-                                          key_centres, list(a8_wsums), a8_isa, a8_terms, a8_bf16_rows,
+                                          key_centres, list(a8_wsums), a8_isa, list(a8_terms), a8_bf16_rows,
                                           list(qkv_biases), list(qk_norms), list(out_norms), window,
                                           global_every, *(local_rope or (None, None)), activation, attn_softcap,
                                           list(v_weights))
@@ -266,6 +267,12 @@ def decode_layer_wsums(linears: Sequence[A8Weight]) -> list[torch.Tensor]:
     """decode_layers' ``a8_wsums`` for cpu_a8 linears in its order (qkv, o, gate_up, down per
     layer): each int8 weight's int16 code sums, an empty tensor for int4."""
     return [torch.empty(0, dtype=torch.int16) if w.wsum is None else w.wsum for w in linears]
+
+
+def decode_layer_terms(linears: Sequence[A8Weight]) -> list[int]:
+    """decode_layers' ``a8_terms`` for cpu_a8 linears in its order: each one's activation terms
+    (a layer's V apart runs in its QKV's)."""
+    return [w.terms for w in linears]
 
 
 @functools.cache

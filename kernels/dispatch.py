@@ -40,6 +40,7 @@ checkpoint's fp16 scales and mins; its difference is the int16 rounding of activ
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -88,6 +89,9 @@ class Backend:
     # (cpu_activations bf16), or for the prompt rows only (bf16-prompts; generated rows int8x2)
     a8_bf16: bool = False
     a8_bf16_prompts: bool = False
+    # with a8_terms 2: the linears (A8_LINEARS) whose activations stay one int8 term
+    # (cpu_activations int8x2-lean: LEAN_ONE_TERM)
+    a8_one_term: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.linear_path not in LINEAR_PATHS:
@@ -102,12 +106,31 @@ class Backend:
         if self.a8_bf16 and (self.a8_terms != 1 or not self.int8_activations):
             raise ValueError(f"a8_bf16 runs on the a8 path (int8_activations) with one term, got "
                              f"int8_activations={self.int8_activations} a8_terms={self.a8_terms}")
+        unknown = set(self.a8_one_term) - set(A8_LINEARS)
+        if unknown or (self.a8_one_term and self.a8_terms != 2):
+            raise ValueError(f"a8_one_term names some of {A8_LINEARS} with a8_terms 2, got {self.a8_one_term} "
+                             f"with a8_terms {self.a8_terms}")
         if self.a8_bf16_prompts and (self.a8_bf16 or not self.int8_activations):
             raise ValueError("a8_bf16_prompts runs on the a8 path (int8_activations), without a8_bf16")
         if self.int8_activations and not (self.cpu_ops and self.linear_path == "int4_cpu"):
             raise ValueError(f"int8 activations run on the int4_cpu linear path with the C++ CPU ops, not "
                              f"{self.linear_path} (cpu_ops={self.cpu_ops})")
 
+    def for_linear(self, role: str) -> Backend:
+        """The backend one linear (an A8_LINEARS role) is prepared with: one int8 term where
+        ``a8_one_term`` names it."""
+        if role not in A8_LINEARS:
+            raise ValueError(f"linear role must be one of {A8_LINEARS}, got {role!r}")
+        return dataclasses.replace(self, a8_terms=1, a8_one_term=()) if role in self.a8_one_term else self
+
+
+A8_LINEARS = ("qkv", "o", "gate_up", "down", "head")  # a layer's linears (V apart runs as QKV) and the head
+# int8x2-lean: the attention output projection and the head's coarse pass (whose best rows are
+# recomputed exactly) in one term. Default model, tinyshakespeare, 32,704 tokens: perplexity
+# 42.825 against int8x2's 42.779 and int16's 42.787 (+0.09%), tools/a8_accuracy.py's 8 prompts x
+# 32 greedy tokens as int8x2's (7 identical, one parting at a 0.004 tie); MLP down in one term
+# too failed that (3 prompts parting at top-2 gaps of 0.15-0.45). docs/BENCHMARKS.md.
+LEAN_ONE_TERM = ("o", "head")
 
 # CPUs whose int8 dot products make two int8 terms pay: on AVX2 alone (vpmaddubsw) a 16-stream
 # step of the default model ran 70-107 ms against int16's 62.
@@ -116,14 +139,17 @@ VNNI_ISAS = ("amx", "avx512vnni", "avxvnni")
 
 def resolve_cpu_activations(requested: str, device: torch.device) -> str:
     """RuntimeConfig.cpu_activations as it runs: "auto" is bf16-prompts on a CPU with AMX-BF16,
-    int8x2 on one with VNNI, else int16. int8x2 has int16's accuracy (default model: perplexity
+    int8x2-lean on one with VNNI, else int16. int8x2 has int16's accuracy (default model: perplexity
     46.584 vs 46.583, 8 of 8 prompts x 32 greedy tokens identical) and, on an AVX512-VNNI Xeon
     (docs/BENCHMARKS.md, 2026-11-26), decodes the default model 1.25-1.47x (one stream) and 2.08x
     (16 streams) as fast, its prefill on a par; a 1.7B Q4_K_M, bound by memory, decodes 0.89x and
     prefills 1.10x as fast. bf16-prompts keeps int8x2 for every generated token (decode speed
     and a request's tokens whatever else runs beside it) and runs prompts in bf16 on the AMX tile
     unit (perplexity 46.61; 256-token prefill 1.3x int8x2's on the default model, 1.9x on a 1.7B
-    Q4_K_M, 1.2x on its Q8_0; docs/BENCHMARKS.md)."""
+    Q4_K_M, 1.2x on its Q8_0; docs/BENCHMARKS.md). int8x2-lean runs two of int8x2's linears in
+    one term (LEAN_ONE_TERM, with int8x2's measured accuracy): on an AVX512-VNNI EPYC a 16-row
+    decode step of the default model took STEP_RATIO of int8x2's time (docs/BENCHMARKS.md, 2026-11-27).
+    On AMX the fold makes both terms one tile multiply, so bf16-prompts keeps int8x2's."""
     if requested in ("bf16", "bf16-prompts") and not _has_amx_bf16(device):
         raise ValueError(f"cpu_activations {requested} needs a CPU with AMX-BF16 (a Sapphire Rapids or later Xeon) "
                          "and the C++ CPU ops; this machine has no such path: use int8x2 or int16")
@@ -133,7 +159,7 @@ def resolve_cpu_activations(requested: str, device: torch.device) -> str:
         return "int16"
     if cpu_a8.default_isa() == "amx" and _has_amx_bf16(device):  # not where EDGEINFER_CPU_ISA names another
         return "bf16-prompts"
-    return "int8x2" if cpu_a8.default_isa() in VNNI_ISAS else "int16"
+    return "int8x2-lean" if cpu_a8.default_isa() in VNNI_ISAS else "int16"
 
 
 def _has_amx_bf16(device: torch.device) -> bool:
@@ -142,11 +168,12 @@ def _has_amx_bf16(device: torch.device) -> bool:
 
 def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu",
                    int8_activations: bool = False, a8_terms: int = 1, a8_bf16: bool = False,
-                   a8_bf16_prompts: bool = False) -> Backend:
+                   a8_bf16_prompts: bool = False, a8_one_term: tuple[str, ...] = ()) -> Backend:
     """The backend for a requested linear path (RuntimeConfig.linear_path; "auto": Triton on CUDA,
     int4_cpu elsewhere) on ``device``, with the C++ ops wherever this machine runs them (on every
     linear path: the reference path's norms and attention are theirs too). ``int8_activations``
-    (RuntimeConfig.cpu_activations "int8" or "int8x2", whose ``a8_terms`` is 2; "bf16", ``a8_bf16``;
+    (RuntimeConfig.cpu_activations "int8", "int8x2" or "int8x2-lean", whose ``a8_terms`` is 2, the
+    latter's ``a8_one_term`` LEAN_ONE_TERM; "bf16", ``a8_bf16``;
     "bf16-prompts", ``a8_bf16_prompts`` with two terms) applies where the int4_cpu path has the
     C++ ops and is ignored elsewhere."""
     device = torch.device(device)
@@ -157,7 +184,7 @@ def choose_backend(linear_path: str = "auto", device: str | torch.device = "cpu"
     return Backend(device, linear_path, cpu_ops=native, triton=device.type == "cuda",
                    fused_step_max_tokens=FUSED_STEP_MAX_TOKENS if native else 0,
                    int8_activations=a8, a8_terms=a8_terms, a8_bf16=a8_bf16 and a8,
-                   a8_bf16_prompts=a8_bf16_prompts and a8)
+                   a8_bf16_prompts=a8_bf16_prompts and a8, a8_one_term=a8_one_term if a8 else ())
 
 
 @dataclass(frozen=True)

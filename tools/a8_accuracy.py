@@ -8,7 +8,7 @@ continuation, every step where the two paths' choices differ and its gap. Exact 
 The prompt's tokens are marked as such (bf16-prompts runs them in bf16, the continuation int8x2).
 Perplexity is ``edgeinfer eval-ppl MODEL --linear-path int4_cpu --cpu-activations int8|int16``.
 
-    python tools/a8_accuracy.py [--activations int8|int8x2|bf16|bf16-prompts] [--model PATH] [--tokens 32]
+    python tools/a8_accuracy.py [--activations int8|int8x2|int8x2-lean|bf16|bf16-prompts] [--model PATH] [--tokens 32]
                                 [--tie 0.05]
 """
 
@@ -70,7 +70,8 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--tie", type=float, default=0.05, help="top-2 logit gap below which a choice is a near tie")
-    parser.add_argument("--activations", default="int8", choices=("int8", "int8x2", "bf16", "bf16-prompts"),
+    parser.add_argument("--activations", default="int8",
+                        choices=("int8", "int8x2", "int8x2-lean", "bf16", "bf16-prompts"),
                         help="the activation mode judged against int16 (default: int8)")
     args = parser.parse_args()
     loaded = load_model(args.model or default_model_path())

@@ -139,7 +139,7 @@ def main() -> int:
     parser.add_argument("--engines", nargs="+", choices=("edgeinfer", "llama.cpp", "transformers"),
                         default=["edgeinfer", "llama.cpp", "transformers"])
     parser.add_argument("--cpu-activations", nargs="+", default=["auto"],
-                        choices=("auto", "int16", "int8", "int8x2", "bf16"),
+                        choices=("auto", "int16", "int8", "int8x2", "int8x2-lean", "bf16"),
                         help="edgeinfer's activation rounding (default: auto, as the engine); several: a row each")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)

@@ -22,7 +22,7 @@ Wraps the engine's internals with timers (private attributes): a measurement too
     python tools/bench_engine_step.py [step|forward|threads|all] [--runs 5] [--new-tokens 128] [--per-op]
                                       [--streams 16] [--prompt-tokens 256] [--context 300] [--repeats 100]
                                       [--temperature 0.8 --top-p 0.95]
-                                      [--cpu-activations auto|int16|int8|int8x2|bf16]
+                                      [--cpu-activations auto|int16|int8|int8x2|int8x2-lean|bf16]
 """
 
 from __future__ import annotations

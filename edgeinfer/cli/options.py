@@ -117,9 +117,12 @@ def add_runtime_args(p: argparse.ArgumentParser, memory_budget: bool = True) -> 
                    help="how the CPU int4/int8 kernels round activations: int16 per 4 values (the accuracy "
                         "reference), int8 per 32 (VNNI GEMMs: fastest, +0.5%% perplexity, llama.cpp's rounding), "
                         "int8x2 (x and its rounding residual in int8: int16's accuracy through the VNNI GEMMs), "
+                        "int8x2-lean (int8x2 with the attention output and the head's coarse pass in one term: "
+                        "the same accuracy measured, less work), "
                         "bf16 (AMX-BF16 Xeons only: x and weights in bf16, fastest for prompts and many streams, "
                         "slower for one), bf16-prompts (prompts in bf16, generated tokens in int8x2) or auto "
-                        "(bf16-prompts on AMX-BF16, int8x2 where the CPU has VNNI, else int16) (default: %(default)s)")
+                        "(bf16-prompts on AMX-BF16, int8x2-lean where the CPU has VNNI, else int16) "
+                        "(default: %(default)s)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *KV_DTYPES),
                    help="K and V cache format (auto: fp16; fp32 with --linear-path reference)")
     p.add_argument("--k-dtype", default=None, choices=KV_DTYPES, help="K cache format (overrides --kv-dtype)")

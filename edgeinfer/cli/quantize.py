@@ -167,8 +167,8 @@ def _ppl_parser() -> argparse.ArgumentParser:
     p.add_argument("--linear-path", choices=LINEAR_PATHS, default="reference",
                    help="linear kernels (default reference: exact fp32, the figure measures the weights alone)")
     p.add_argument("--cpu-activations", choices=CPU_ACTIVATIONS, default=RuntimeConfig.cpu_activations,
-                   help="with --linear-path int4_cpu: auto, int16, int8, int8x2, bf16 or bf16-prompts activations "
-                        "(see `edgeinfer serve --help`) (default %(default)s)")
+                   help="with --linear-path int4_cpu: auto, int16, int8, int8x2, int8x2-lean, bf16 or bf16-prompts "
+                        "activations (see `edgeinfer serve --help`) (default %(default)s)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     add_log_level(p)
     return p

@@ -342,7 +342,7 @@ class LlamaModel(LlamaLayers):
             [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
             tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
             a8_wsums=self.weights.fused_wsums, a8_isa=self._a8_isa if self.weights.fused_wsums else "",
-            a8_terms=self.backend.a8_terms,
+            a8_terms=self.weights.fused_terms,
             a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
             out_norms=self._out_norms, window=c.spec.sliding_window or 0, global_every=c.spec.global_every,
             local_rope=self._local_rope, activation=c.spec.activation, attn_softcap=c.spec.attn_softcap or 0.0,

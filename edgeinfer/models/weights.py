@@ -81,6 +81,7 @@ class PreparedWeights:
     fused: list[torch.Tensor] | None  # decode_layers' weights, 14 per layer; None: no fused step
     # decode_layers' a8_wsums where every fused linear is a kernels.cpu_a8 weight (int8 activations)
     fused_wsums: list[torch.Tensor] = field(default_factory=list)
+    fused_terms: list[int] = field(default_factory=list)  # and their activation terms (decode_layer_terms)
     fused_v: list[torch.Tensor] = field(default_factory=list)  # decode_layers' v_weights, where a layer has v
 
     def linears(self) -> list[PreparedLinear]:
@@ -115,7 +116,7 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
         head = _quantize_head_int4(head, row_reader(backend))
     elif isinstance(head, FileRows):
         head = head.load()
-    prepared_head = prepare_linear(head, backend)
+    prepared_head = prepare_linear(head, backend.for_linear("head"))
     del head  # the int4 copy's codes (14 MB) were repacked for the kernel
     trim_heap()
     spec = config.spec
@@ -130,8 +131,9 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
     # sandwich norms, GELU and soft-capped attention; RoPE scaling, norm offsets, fused checkpoint
     # weights, the attention scale, the embedding scale and the final soft-cap live outside it).
     fused = _fused_step_weights(layers, backend)
-    fused_weights, fused_wsums, fused_v = fused if fused is not None else (None, [], [])
-    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused_weights, fused_wsums, fused_v)
+    fused_weights, fused_wsums, fused_terms, fused_v = fused if fused is not None else (None, [], [], [])
+    return PreparedWeights(embed, prepared_head, head_exact, tuple(layers), norm, fused_weights, fused_wsums,
+                           fused_terms, fused_v)
 
 
 def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec) -> PreparedLayer:
@@ -141,17 +143,17 @@ def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec
     parts = spec.linear_parts()
     norm_names = spec.norm_names()
     prep = lambda linear: prepare_linear(  # noqa: E731
-        _fuse([get(f"{part}.weight") for part in parts[linear]], backend), backend)
+        _fuse([get(f"{part}.weight") for part in parts[linear]], backend), backend.for_linear(linear))
     qkv_parts = [get(f"{part}.weight") for part in parts["qkv"]]
     v = None
     if _v_apart(qkv_parts):
         *qkv_parts, v_weight = qkv_parts
-        v = prepare_linear(v_weight, backend)
+        v = prepare_linear(v_weight, backend.for_linear("qkv"))  # decode_layers runs V in QKV's terms
     norm = lambda role: (  # noqa: E731
         _dense(get(f"{norm_names[role]}.weight"), device) + spec.norm_offset if role in norm_names else None)
     return PreparedLayer(
         input_norm=norm("input_norm"),
-        qkv=prepare_linear(_fuse(qkv_parts, backend), backend),
+        qkv=prepare_linear(_fuse(qkv_parts, backend), backend.for_linear("qkv")),
         o=prep("o"),
         post_norm=norm("post_norm"),
         gate_up=prep("gate_up"),
@@ -179,12 +181,12 @@ def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: Row
     return picked.dequantize(torch.float32)
 
 
-def _fused_step_weights(layers: list[PreparedLayer],
-                        backend: Backend) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
-    """decode_layers' weight list, a8_wsums and v_weights when the backend runs fused steps and
+def _fused_step_weights(layers: list[PreparedLayer], backend: Backend
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[torch.Tensor]] | None:
+    """decode_layers' weight list, a8_wsums, a8_terms and v_weights when the backend runs fused steps and
     every linear runs the AVX2 int4 or int8 kernel (each with its own group size: a Q4_K_M GGUF
-    mixes int4 g32 and int8 g16), or every one the int8-activation kernels (then the wsums; else
-    none), else None; a model that could have fused steps but cannot use them says so at load."""
+    mixes int4 g32 and int8 g16), or every one the int8-activation kernels (then the wsums and terms;
+    else none), else None; a model that could have fused steps but cannot use them says so at load."""
     if not backend.fused_step_max_tokens:
         return None
 
@@ -204,7 +206,9 @@ def _fused_step_weights(layers: list[PreparedLayer],
         layer.input_norm, kernels[4 * i], kernels[4 * i + 1], layer.post_norm, kernels[4 * i + 2], kernels[4 * i + 3])]
     v_apart = any(k is not None for k in v_kernels)
     v_weights = [t for k in v_kernels for t in cpu_ops.decode_layer_v(k)] if v_apart else []
-    return weights, cpu_ops.decode_layer_wsums(kernels) if a8 else [], v_weights
+    if not a8:
+        return weights, [], [], v_weights
+    return weights, cpu_ops.decode_layer_wsums(kernels), cpu_ops.decode_layer_terms(kernels), v_weights
 
 
 def _fusing_key(weight: QuantizedTensor) -> tuple[object, ...]:

@@ -22,7 +22,7 @@ from edgeinfer.worker.kv_calibration import calibration_ids
 from edgeinfer.worker.kv_pools import bytes_per_token, kv_pool
 from edgeinfer.worker.memory_plan import MemoryPlan, check_budget_plan, tensor_bytes
 from edgeinfer.worker.model_runner import ModelRunner
-from kernels.dispatch import choose_backend, resolve_cpu_activations
+from kernels.dispatch import LEAN_ONE_TERM, choose_backend, resolve_cpu_activations
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ def build_model(loaded: LoadedModel, runtime: RuntimeConfig, take_weights: bool 
         torch.set_num_threads(runtime.num_threads)
     activations = resolve_cpu_activations(runtime.cpu_activations, device)
     backend = choose_backend(runtime.linear_path, device, int8_activations=activations != "int16",
-                             a8_terms=2 if activations in ("int8x2", "bf16-prompts") else 1,
-                             a8_bf16=activations == "bf16", a8_bf16_prompts=activations == "bf16-prompts")
+                             a8_terms=2 if activations in ("int8x2", "int8x2-lean", "bf16-prompts") else 1,
+                             a8_bf16=activations == "bf16", a8_bf16_prompts=activations == "bf16-prompts",
+                             a8_one_term=LEAN_ONE_TERM if activations == "int8x2-lean" else ())
     if backend.linear_path == "int4_cpu":
         log.info("CPU activations: %s%s", activations, " (auto)" if runtime.cpu_activations == "auto" else "")
     # The quantized head with exact refinement only pays on the CPU int4 path.

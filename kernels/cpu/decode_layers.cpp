@@ -187,7 +187,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
                    at::TensorList k_scales, at::TensorList v_scales, at::TensorList k_zeros, at::TensorList v_zeros,
                    const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
-                   at::TensorList a8_wsums, const std::string& a8_isa, int64_t a8_terms,
+                   at::TensorList a8_wsums, const std::string& a8_isa, at::IntArrayRef a8_terms,
                    const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
                    at::TensorList qk_norms, at::TensorList out_norms, int64_t window, int64_t global_every,
                    const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
@@ -290,6 +290,9 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                         : down_codes.size(1) * (down_codes.scalar_type() == at::kByte ? 32 : 4);
   TORCH_CHECK(!a8 || static_cast<int64_t>(a8_wsums.size()) == 4 * layers,
               "a8 linears need one wsum tensor (empty for int4) per linear");
+  TORCH_CHECK(!a8 || static_cast<int64_t>(a8_terms.size()) == 4 * layers,
+              "a8 linears need their activation terms, one per linear");
+  for (const int64_t terms : a8_terms) TORCH_CHECK(terms == 1 || terms == 2, "a8_terms must be 1 or 2, got ", terms);
   // v_weights: V's rows apart, where they come in another format than Q's and K's (a GGUF
   // Q4_K_M's Q6_K V beside Q4_K Q and K: fused as int8 they took 1.375 bytes per Q and K weight
   // instead of 0.58): per layer codes, scales, mins and the a8 wsum, each possibly empty; empty
@@ -342,13 +345,13 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     std::copy_n(marks.data_ptr<bool>(), m, bf16_row.begin());
   }
   // y (m, n) = x @ W.T for the weight at w[at] (codes, scales, mins; a8: its wsum, its group).
-  const auto gemm = [&](const at::TensorList& w, int64_t at, const at::Tensor& wsum, int64_t group_size,
+  const auto gemm = [&](const at::TensorList& w, int64_t at, const at::Tensor& wsum, int64_t terms, int64_t group_size,
                         const float* in, int64_t n, int64_t k, float* out) {
     if (a8) {
       for (int64_t r0 = 0, r1 = 0; r0 < m; r0 = r1) {
         for (r1 = r0 + 1; r1 < m && bf16_row[r1] == bf16_row[r0];) ++r1;
         edgeinfer_cpu::a8_gemm_rows(in + r0 * k, r1 - r0, w[at], w[at + 1], w[at + 2], wsum, n, k,
-                                    bf16_row[r0] ? "amx_bf16" : a8_isa, out + r0 * n, bf16_row[r0] ? 1 : a8_terms);
+                                    bf16_row[r0] ? "amx_bf16" : a8_isa, out + r0 * n, bf16_row[r0] ? 1 : terms);
       }
     } else {
       edgeinfer_cpu::quantized_gemm_rows(in, m, w[at], w[at + 1], w[at + 2], group_size, out);
@@ -358,7 +361,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   // Linear j of layer l (qkv, o, gate_up, down) at w[at].
   const auto linear = [&](const at::TensorList& w, int64_t l, int64_t j, int64_t at, const float* in, int64_t n,
                           int64_t k, float* out) {
-    gemm(w, at, a8 ? a8_wsums[4 * l + j] : no_wsum, group[4 * l + j], in, n, k, out);
+    gemm(w, at, a8 ? a8_wsums[4 * l + j] : no_wsum, a8 ? a8_terms[4 * l + j] : 1, group[4 * l + j], in, n, k, out);
   };
   const bool gelu = activation == "gelu_tanh";
   std::vector<float> x(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), y(m * hidden),
@@ -377,7 +380,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
     if (split_v(l)) {  // Q and K, then V, each on its own weight, into QKV's rows
       linear(w, l, 0, 1, x.data(), q_size + kv_size, hidden, qk.data());
-      gemm(v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, v_group[l], x.data(), kv_size, hidden, v.data());
+      gemm(v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, a8 ? a8_terms[4 * l] : 1, v_group[l], x.data(), kv_size,
+           hidden, v.data());
       for (int64_t t = 0; t < m; ++t) {
         std::copy_n(qk.data() + t * (q_size + kv_size), q_size + kv_size, qkv.data() + t * qkv_size);
         std::copy_n(v.data() + t * kv_size, kv_size, qkv.data() + t * qkv_size + q_size + kv_size);
@@ -462,7 +466,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] weights, Tensor cos, Tensor signed_sin, "
         "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
-        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int a8_terms=1, "
+        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int[] a8_terms, "
         "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor[] out_norms, int window=0, int global_every=0, "
         "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\", float attn_softcap=0.0, "
         "Tensor[] v_weights) -> ()");

@@ -164,13 +164,13 @@ def test_isa_override(monkeypatch):
         cpu_a8.default_isa.__wrapped__()
 
 
-def test_auto_activations_are_bf16_prompts_with_amx_bf16_int8x2_with_vnni_else_int16(monkeypatch):
+def test_auto_activations_are_bf16_prompts_with_amx_bf16_int8x2_lean_with_vnni_else_int16(monkeypatch):
     from kernels.dispatch import resolve_cpu_activations
 
     cpu = torch.device("cpu")
-    for isa, bf16, expected in (("amx", True, "bf16-prompts"), ("amx", False, "int8x2"),
-                                ("avx512vnni", True, "int8x2"), ("avx512vnni", False, "int8x2"),
-                                ("avxvnni", False, "int8x2"), ("avx2", False, "int16")):
+    for isa, bf16, expected in (("amx", True, "bf16-prompts"), ("amx", False, "int8x2-lean"),
+                                ("avx512vnni", True, "int8x2-lean"), ("avx512vnni", False, "int8x2-lean"),
+                                ("avxvnni", False, "int8x2-lean"), ("avx2", False, "int16")):
         monkeypatch.setattr(cpu_a8, "default_isa", lambda isa=isa: isa)
         monkeypatch.setattr(cpu_a8, "isa_supported", lambda name, bf16=bf16: bf16 or name != cpu_a8.BF16_ISA)
         assert resolve_cpu_activations("auto", cpu) == expected

@@ -149,7 +149,10 @@ def test_fused_cpu_step_runs_every_architecture_as_the_per_op_forward(
         config, weights = load_hf_folder(fixture.folder)
         weights = {k: quantize_int4(w, 32) if w.dim() == 2 and "embed" not in k else w for k, w in weights.items()}
         with caplog.at_level(logging.INFO, logger="edgeinfer.models.weights"):
-            model = build_model(LoadedModel(config, weights, None, "hf"), RuntimeConfig(linear_path="int4_cpu"))
+            # int8x2, not auto's int8x2-lean: every linear in two terms keeps the bound below tight
+            # (lean's one-term linears: tests/kernels/test_decode_layers.py)
+            model = build_model(LoadedModel(config, weights, None, "hf"),
+                                RuntimeConfig(linear_path="int4_cpu", cpu_activations="int8x2"))
         runtime = RuntimeConfig(linear_path="int4_cpu", kv_dtype="fp32")
         runner = fixed_runner(model, runtime, 64)
         # 60 tokens: past the fixtures' 48-token windows
@@ -158,7 +161,7 @@ def test_fused_cpu_step_runs_every_architecture_as_the_per_op_forward(
         assert model.runs_fused(60, runner.pool), name
         fused = model.forward(token_ids, batch, runner.pool)
         per_op = model.forward(token_ids, batch, runner.pool, observe=lambda *_: None)
-        # Two-term int8 activations (auto's generated rows): a last-bit difference upstream can
+        # Two-term int8 activations: a last-bit difference upstream can
         # move a residual code by one, a sixteenth of a code step (0.0018-0.0024 seen); a wiring
         # mistake moves every logit by its own size.
         assert float((fused - per_op).norm() / per_op.norm()) < 5e-3, name
