@@ -148,7 +148,8 @@ def resolve_cpu_activations(requested: str, device: torch.device) -> str:
     unit (perplexity 46.61; 256-token prefill 1.3x int8x2's on the default model, 1.9x on a 1.7B
     Q4_K_M, 1.2x on its Q8_0; docs/BENCHMARKS.md). int8x2-lean runs two of int8x2's linears in
     one term (LEAN_ONE_TERM, with int8x2's measured accuracy): on an AVX512-VNNI EPYC a 16-row
-    decode step of the default model took STEP_RATIO of int8x2's time (docs/BENCHMARKS.md, 2026-11-27).
+    decode forward of the default model took 0.92x (0.89-0.97x) int8x2's time, one row the same
+    (docs/BENCHMARKS.md, 2026-11-27).
     On AMX the fold makes both terms one tile multiply, so bf16-prompts keeps int8x2's."""
     if requested in ("bf16", "bf16-prompts") and not _has_amx_bf16(device):
         raise ValueError(f"cpu_activations {requested} needs a CPU with AMX-BF16 (a Sapphire Rapids or later Xeon) "

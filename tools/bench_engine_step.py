@@ -115,17 +115,19 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
                   f"  {sched * 1e3:16.3f}  {(step - fwd) * 1e3:.2f} ms = {(step - fwd) / step:.1%}")
 
 
-def forward_only(rows: int, context: int, repeats: int) -> None:
+def forward_only(rows: int, context: int, repeats: int,
+                 cpu_activations: str = RuntimeConfig.cpu_activations) -> None:
     from bench_arch_step import decode_times
     from bench_common import fastest_tenth
 
     from edgeinfer.models.loader import load_model
     from edgeinfer.worker.build import build_model
 
-    model = build_model(load_model(str(default_model_path())), RuntimeConfig())
+    model = build_model(load_model(str(default_model_path())), RuntimeConfig(cpu_activations=cpu_activations))
     with torch.inference_mode():
         times = decode_times(model, model.config, rows, context, repeats)
-    print(f"forward, {rows} row(s) after {context} tokens, {repeats} steps: fastest tenth "
+    print(f"forward, {rows} row(s) after {context} tokens, cpu activations {cpu_activations}, {repeats} steps: "
+          f"fastest tenth "
           f"{fastest_tenth(times) * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
 
 
@@ -181,7 +183,7 @@ def main() -> int:
     if args.what in ("threads", "all"):
         gemm_on_threads()
     if args.what == "forward":
-        forward_only(args.streams, args.context, args.repeats)
+        forward_only(args.streams, args.context, args.repeats, args.cpu_activations)
     if args.what in ("step", "all"):
         run_coroutine(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
                                  args.prompt_tokens, args.temperature, args.top_p))
