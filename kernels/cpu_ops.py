@@ -214,8 +214,8 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
     (kernels.cpu_a8.ISAS), every linear a cpu_a8 weight run with int8 activations on that kernel,
     its wsum in ``a8_wsums`` (``decode_layer_wsums``), its activations in as many int8 terms as
     ``a8_terms`` gives it (``decode_layer_terms``; kernels.cpu_a8.a8_linear), except the rows
-    ``a8_bf16_rows`` ((M,) bool) marks, which run in bf16 on AMX-BF16; ``qkv_biases`` (one fp32 ((Hq
-    + 2 Hkv) * D,) per layer, added to QKV) and ``qk_norms`` (q's and k's fp32 (D,) RMSNorm weights
+    ``a8_bf16_rows`` ((M,) bool) marks, which run in bf16 on AMX-BF16; ``qkv_biases`` (one fp32
+    ((Hq + 2 Hkv) * D,) per layer, added to QKV) and ``qk_norms`` (q's and k's fp32 (D,) RMSNorm weights
     per layer, over each head before RoPE) and ``out_norms`` (Gemma's sandwich norms: the
     attention's and the MLP's output norm weights per layer), where the architecture has them;
     ``window``: the sliding window of local layers (a query attends to itself and the window - 1
