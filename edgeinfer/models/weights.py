@@ -116,7 +116,9 @@ def prepare_weights(config: ModelConfig, weights: dict[str, Weight], backend: Ba
         head = _quantize_head_int4(head, row_reader(backend))
     elif isinstance(head, FileRows):
         head = head.load()
-    prepared_head = prepare_linear(head, backend.for_linear("head"))
+    # One int8 term where the backend asks it for the head (int8x2-lean) only when its best rows
+    # are recomputed exactly: a head stored in int4 has no exact copy, and is the logits themselves.
+    prepared_head = prepare_linear(head, backend.for_linear("head") if head_exact is not None else backend)
     del head  # the int4 copy's codes (14 MB) were repacked for the kernel
     trim_heap()
     spec = config.spec

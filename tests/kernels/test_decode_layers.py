@@ -17,7 +17,7 @@ from edgeinfer.models.synthetic import synthetic_model
 from edgeinfer.worker.batch import SeqChunk, build_batch
 from edgeinfer.worker.build import build_model
 from kernels import cpu_a8, cpu_ops
-from kernels.dispatch import LEAN_ONE_TERM, choose_backend
+from kernels.dispatch import LEAN_ONE_TERM, Backend, choose_backend
 from kernels.kv_pool import KVPool
 from quant.formats import QuantizedTensor, unpack_int4
 
@@ -372,18 +372,27 @@ def test_fused_step_runs_int8_activation_linears(loaded: LoadedModel, mixed: boo
 
 
 def test_lean_activations_run_their_one_term_linears_in_one_term(loaded: LoadedModel) -> None:
-    """int8x2-lean (Backend.a8_one_term): the attention output projection and the head are prepared
-    with one term, the other linears with two; the fused step runs each linear in its own terms
-    (its logits differ from int8x2's, so the terms reach the kernel) and matches the per-op
-    forward, which runs each weight as prepared."""
+    """int8x2-lean (Backend.a8_one_term): the attention output projection, and the head's coarse
+    pass where an exact head refines it, are prepared with one term, the other linears with two;
+    the fused step runs each linear in its own terms (its logits differ from int8x2's, so the
+    terms reach the kernel) and matches the per-op forward, which runs each weight as prepared."""
     lean_backend = choose_backend("int4_cpu", "cpu", int8_activations=True, a8_terms=2, a8_one_term=LEAN_ONE_TERM)
-    lean = LlamaModel(loaded.config, loaded.weights, lean_backend)
-    int8x2 = LlamaModel(loaded.config, loaded.weights, dataclasses.replace(lean_backend, a8_one_term=()))
-    per_op = LlamaModel(loaded.config, loaded.weights, dataclasses.replace(lean_backend, fused_step_max_tokens=0))
+    weights = dict(loaded.weights)
+    weights["lm_head.weight"] = loaded.weights["lm_head.weight"].dequantize(torch.float32)  # exact rows to refine from
+
+    def build(backend: Backend, with_weights: dict = weights) -> LlamaModel:
+        return LlamaModel(loaded.config, with_weights, backend, head_format="int4")
+
+    lean = build(lean_backend)
+    int8x2 = build(dataclasses.replace(lean_backend, a8_one_term=()))
+    per_op = build(dataclasses.replace(lean_backend, fused_step_max_tokens=0))
     assert lean.weights.fused_terms == [2, 1, 2, 2] * CONFIG.num_layers
     assert int8x2.weights.fused_terms == [2] * (4 * CONFIG.num_layers)
+    assert lean.weights.head_exact is not None
     assert lean.weights.head.kernel.terms == 1 and int8x2.weights.head.kernel.terms == 2
     assert all(layer.o.kernel.terms == 1 and layer.down.kernel.terms == 2 for layer in per_op.weights.layers)
+    stored_int4 = build(lean_backend, loaded.weights)  # a head stored in int4: no exact copy, two terms
+    assert stored_int4.weights.head_exact is None and stored_int4.weights.head.kernel.terms == 2
     g = torch.Generator().manual_seed(9)
     lengths, tables = (4, 11), [(1, 2), (3, 4, 5)]
     prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
