@@ -126,12 +126,9 @@ class Backend:
 
 A8_LINEARS = ("qkv", "o", "gate_up", "down", "head")  # a layer's linears (V apart runs as QKV) and the head
 # int8x2-lean: the attention output projection and the head's coarse pass (whose best rows are
-# recomputed exactly; a head without an exact copy, stored in int4, stays on two) in one term.
-# Default model, tinyshakespeare, 32,704 tokens: perplexity 42.825 against int8x2's 42.779 and
-# int16's 42.787 (+0.09%), tools/a8_accuracy.py's 8 prompts x 32 greedy tokens as int8x2's (7
-# identical, one parting at a 0.004 tie); MLP down in one term too failed that (3 prompts parting
-# at top-2 gaps of 0.15-0.45); a small Qwen2 trained here: 114.267 against int16's 114.270.
-# docs/BENCHMARKS.md.
+# recomputed exactly; a head stored in int4 stays on two) in one term: perplexity +0.09% over
+# int16 and int8x2's greedy tokens on the default model, where one term on MLP down, gate/up or
+# QKV as well broke greedy parity (docs/BENCHMARKS.md "int8x2-lean").
 LEAN_ONE_TERM = ("o", "head")
 
 # CPUs whose int8 dot products make two int8 terms pay: on AVX2 alone (vpmaddubsw) a 16-stream
