@@ -385,11 +385,13 @@ def test_lean_activations_run_their_one_term_linears_in_one_term(loaded: LoadedM
 
     lean = build(lean_backend)
     int8x2 = build(dataclasses.replace(lean_backend, a8_one_term=()))
+    head_only = build(dataclasses.replace(lean_backend, a8_one_term=("head",)))  # lean but o on two terms
     per_op = build(dataclasses.replace(lean_backend, fused_step_max_tokens=0))
     assert lean.weights.fused_terms == [2, 1, 2, 2] * CONFIG.num_layers
-    assert int8x2.weights.fused_terms == [2] * (4 * CONFIG.num_layers)
+    assert int8x2.weights.fused_terms == head_only.weights.fused_terms == [2] * (4 * CONFIG.num_layers)
     assert lean.weights.head_exact is not None
-    assert lean.weights.head.kernel.terms == 1 and int8x2.weights.head.kernel.terms == 2
+    assert lean.weights.head.kernel.terms == head_only.weights.head.kernel.terms == 1
+    assert int8x2.weights.head.kernel.terms == 2
     assert all(layer.o.kernel.terms == 1 and layer.down.kernel.terms == 2 for layer in per_op.weights.layers)
     stored_int4 = build(lean_backend, loaded.weights)  # a head stored in int4: no exact copy, two terms
     assert stored_int4.weights.head_exact is None and stored_int4.weights.head.kernel.terms == 2
@@ -400,8 +402,8 @@ def test_lean_activations_run_their_one_term_linears_in_one_term(loaded: LoadedM
     shared, state = copy.deepcopy(pools[0]), g.get_state()
     fused, reference = _decode_step(lean, per_op, *pools, lengths, tables, g)
     assert float((fused - reference).norm() / reference.norm()) < 0.03  # one-term linears: as terms=1 above
-    g.set_state(state)  # the same token into the same caches, every linear in two terms
-    two = _decode_step(int8x2, per_op, shared, pools[1], lengths, tables, g)[0]
+    g.set_state(state)  # the same token into the same caches and the same head: only o's terms differ
+    two = _decode_step(head_only, per_op, shared, pools[1], lengths, tables, g)[0]
     assert not torch.equal(fused, two)
     with pytest.raises(ValueError, match="a8_one_term"):
         dataclasses.replace(lean_backend, a8_one_term=("proj",))

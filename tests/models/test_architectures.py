@@ -161,9 +161,9 @@ def test_fused_cpu_step_runs_every_architecture_as_the_per_op_forward(
         assert model.runs_fused(60, runner.pool), name
         fused = model.forward(token_ids, batch, runner.pool)
         per_op = model.forward(token_ids, batch, runner.pool, observe=lambda *_: None)
-        # Two-term int8 activations: a last-bit difference upstream can
-        # move a residual code by one, a sixteenth of a code step (0.0018-0.0024 seen); a wiring
-        # mistake moves every logit by its own size.
+        # Two-term int8 activations: a last-bit difference upstream can move a residual code by
+        # one, a sixteenth of a code step (0.0018-0.0024 seen); a wiring mistake moves every logit
+        # by its own size.
         assert float((fused - per_op).norm() / per_op.norm()) < 5e-3, name
     assert not [r for r in caplog.records if "per-op" in r.getMessage() or "layer by layer" in r.getMessage()]
 
