@@ -127,8 +127,7 @@ def forward_only(rows: int, context: int, repeats: int,
     with torch.inference_mode():
         times = decode_times(model, model.config, rows, context, repeats)
     print(f"forward, {rows} row(s) after {context} tokens, cpu activations {cpu_activations}, {repeats} steps: "
-          f"fastest tenth "
-          f"{fastest_tenth(times) * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
+          f"fastest tenth {fastest_tenth(times) * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
 
 
 def gemm_on_threads() -> None:
