@@ -6,7 +6,8 @@ M = 1, 4, 16, 64, 256, prints microseconds per call and GOP/s (2 M N K / time) o
 on each instruction set this CPU runs, the int16-activation kernel (kernels.cpu_ops, today's
 path up to 64 rows) and torch's fp32 GEMM on the already dequantized weight (a lower bound for
 today's dequantize + GEMM path above 64 rows), with the a8 figures also as a fraction of this
-machine's int8 peak for their instruction set (tools/int8_peak.py, on the same threads). Each
+machine's int8 peak for their instruction set (tools/int8_peak.py, on the same threads), counting
+the dot products of every term (with --terms 2 the kernel multiplies twice per weight). Each
 runs --repeats calls in a row (the median counts); run it with nice, on a quiet machine.
 
     python tools/bench_int8_gemm.py [--format int4|int8] [--shapes 135m|1.7b] [--m 1 4 16 64 256] [--threads 2]
@@ -121,7 +122,7 @@ def main() -> None:
             cells = []
             for name, t in us.items():
                 gops = 2 * m * n * k / t / 1e3
-                share = f" {gops / peaks[name]:4.0%}" if name in peaks else "     "
+                share = f" {gops * args.terms / peaks[name]:4.0%}" if name in peaks else "     "
                 cells.append(f"{t:7.0f}us {gops:5.0f}G{share}")
             # At M = 1 a GEMV is bound by the weight's bytes: the a8 tiles' read rate.
             cells.append(f"{a8.nbytes / us[isas[0]] / 1e3:5.1f}GB/s")

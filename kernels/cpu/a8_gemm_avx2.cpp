@@ -20,6 +20,11 @@ constexpr bool kOffsetX = false;
 
 inline Vi pairs_to_int32(Vi pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 inline Vi dot_u4(Vi acc, Vi w, Vi x) { return _mm256_add_epi32(acc, pairs_to_int32(_mm256_maddubs_epi16(w, x))); }
+inline Vi dot_u4_at(Vi acc, Vi w, const uint8_t* p) {
+  int32_t x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return dot_u4(acc, w, set1_i(x));
+}
 inline Vi s8_magnitude(Vi w) { return _mm256_abs_epi8(w); }
 inline Vi dot_s8(Vi acc, Vi magnitude, Vi w, Vi x) {
   return _mm256_add_epi32(acc, pairs_to_int32(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w))));

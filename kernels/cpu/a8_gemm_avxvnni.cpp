@@ -17,6 +17,11 @@ constexpr int kRows = 4;
 constexpr bool kOffsetX = true;
 
 inline Vi dot_u4(Vi acc, Vi w, Vi x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+inline Vi dot_u4_at(Vi acc, Vi w, const uint8_t* p) {
+  int32_t x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return dot_u4(acc, w, set1_i(x));
+}
 inline Vi s8_magnitude(Vi w) { return w; }
 inline Vi dot_s8(Vi acc, Vi, Vi w, Vi x_offset) { return _mm256_dpbusd_avx_epi32(acc, x_offset, w); }
 
