@@ -9,9 +9,14 @@
    streams, waking on the compute thread). The target (issues #20 and #24, at 1
    and 16 streams): under 10% of the step outside the forward.
 2. `forward`: the fused step alone (LlamaModel.forward, no engine): --streams rows decoding one
-   token each after --context cached tokens (fp16 KV), --repeats steps; the fastest tenth and
+   token each after --context cached tokens (fp16 KV; each step adds one, so the last of
+   --repeats steps runs after --context + --repeats), --repeats steps; the fastest tenth and
    the median, ms. Fewer moving parts than `step` for an A/B of the kernels on a noisy host
-   (run it from a worktree of each commit, alternated).
+   (run it from a worktree of each commit, alternated). Where the linears run the int8-activation
+   kernels, also the step's a8 work as a fraction of this machine's peaks: their dot products
+   (every term counted) against tools/int8_peak.py's rate for the instruction set that runs
+   them, and their weights' bytes (read once a step) as GB/s against torch's sum over 1 GB
+   (tools/bench_weight_stream.py's reference read), both at the fastest tenth.
 3. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
    and built on the main thread but run on a second one: the effect
@@ -49,6 +54,7 @@ from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
 from edgeinfer.engine.api import Engine, EngineConfig  # noqa: E402
 from edgeinfer.models.pull import default_model_path  # noqa: E402
+from kernels import cpu_a8  # noqa: E402
 
 
 def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -126,8 +132,30 @@ def forward_only(rows: int, context: int, repeats: int,
     model = build_model(load_model(str(default_model_path())), RuntimeConfig(cpu_activations=cpu_activations))
     with torch.inference_mode():
         times = decode_times(model, model.config, rows, context, repeats)
+    fast = fastest_tenth(times)
     print(f"forward, {rows} row(s) after {context} tokens, cpu activations {cpu_activations}, {repeats} steps: "
-          f"fastest tenth {fastest_tenth(times) * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
+          f"fastest tenth {fast * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
+    a8 = [w.kernel for w in (*model.weights.linears(), model.weights.head) if isinstance(w.kernel, cpu_a8.A8Weight)]
+    if a8 and not any(w.bf16 for w in a8):
+        from bench_weight_stream import sum_rates
+        from int8_peak import peak_gops
+
+        ops = sum(2 * rows * w.shape[0] * w.shape[1] * w.terms for w in a8)
+        isa = a8_isa(rows * max(w.terms for w in a8))
+        peak = peak_gops(isa, torch.get_num_threads())
+        nbytes = sum(w.nbytes for w in a8)
+        print(f"  a8 GEMMs: {ops / 1e9:.2f} GOP a step (terms counted) = {ops / fast / 1e9:.0f} GOP/s, "
+              f"{ops / fast / 1e9 / peak:.0%} of {isa}'s {peak:.0f}; weights {nbytes / 1e6:.1f} MB a step = "
+              f"{nbytes / fast / 1e9:.1f} GB/s, {nbytes / fast / 1e9 / max(sum_rates(3)):.0%} of torch's sum")
+
+
+def a8_isa(kernel_rows: int) -> str:
+    """The instruction set the a8 op runs for this many rows of codes (kernels/cpu/a8_gemm.cpp:
+    AMX from 16 one-term or 12 two-term rows, the best of the others below)."""
+    isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
+    if isas[0] == "amx" and kernel_rows < 24:
+        return isas[1]
+    return isas[0]
 
 
 def gemm_on_threads() -> None:

@@ -68,13 +68,19 @@ def main() -> None:
                 cpu_a8.a8_linear(x, w)
             rates.append(total / (time.perf_counter() - start) / 1e9)
         print(f"{name} {n}x{k} ({len(weights)} weights, {total / 1e6:.0f} MB): " + " ".join(f"{r:.1f}" for r in rates))
-    dense = torch.randn(256 * 1024 * 1024)
+    print("torch sum, 1 GB fp32: " + " ".join(f"{r:.1f}" for r in sum_rates(args.rounds)))
+
+
+def sum_rates(rounds: int) -> list[float]:
+    """GB/s of torch's sum over 1 GB of fp32 on the current threads, per round: the reference read
+    rate (tools/bench_engine_step.py states a step's weight reads against the best)."""
+    dense = torch.ones(256 * 1024 * 1024)
     rates = []
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         start = time.perf_counter()
         dense.sum()
         rates.append(dense.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    print("torch sum, 1 GB fp32: " + " ".join(f"{r:.1f}" for r in rates))
+    return rates
 
 
 if __name__ == "__main__":
