@@ -6,13 +6,14 @@ two loops take turns for --rounds rounds of --calls calls each; printed: the fas
 the median of each loop's calls in microseconds, and the KV bytes read per second at the fastest
 tenth (the cache's rate: a long context is bound by it).
 
+--ordered lays each sequence's blocks out in table order (the pool's shuffle is the default).
 --layers L gives each call the next of L caches in turn, as a decode step's 30 layers do: with
 the default 1 the one cache stays in the CPU's caches from call to call (16 x 300 tokens of fp16
 are 7.4 MB), while a step of the model reads its layers' caches from memory.
 
     python tools/bench_cpu_attention.py [--cases 16x100,16x300,1x300,1x2048,4x1024]
                                         [--kv-dtype fp16|bf16|fp32|int8|int4] [--rounds 2] [--calls 1000]
-                                        [--layers 30]
+                                        [--layers 30] [--ordered]
 
 int8 caches carry an fp16 scale per token and head, int4 ones two codes per byte and an fp16
 scale and zero per 32 channels (their bytes, scales included, count in the GB/s).
@@ -41,13 +42,15 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 KV_DTYPES = (*DTYPES, "int8", "int4")
 
 
-def case_inputs(seqs: int, context: int, kv_dtype: str, seed: int = 0) -> tuple[tuple, tuple, int]:
+def case_inputs(seqs: int, context: int, kv_dtype: str, seed: int = 0,
+                ordered: bool = False) -> tuple[tuple, tuple, int]:
     """(q, k, v, tables, lens), the caches' scales (and zeros), and a token's K + V bytes per KV head."""
     g = torch.Generator().manual_seed(seed)
     per_seq = -(-context // BLOCK)
     blocks = seqs * per_seq + 1
     shape = (blocks, BLOCK, KV_HEADS)
-    tables = (torch.randperm(blocks - 1, generator=g)[: seqs * per_seq].int() + 1).view(seqs, per_seq)
+    order = torch.arange(blocks - 1) if ordered else torch.randperm(blocks - 1, generator=g)
+    tables = (order[: seqs * per_seq].int() + 1).view(seqs, per_seq)
     lens = torch.tensor([max(1, context - 7 * (i % 5)) for i in range(seqs)], dtype=torch.int32)
     q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g)
     if kv_dtype in DTYPES:
@@ -70,6 +73,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--layers", type=int, default=1, help="caches called in turn (default: 1, see above)")
+    parser.add_argument("--ordered", action="store_true", help="blocks in table order instead of shuffled")
     args = parser.parse_args()
     if not cpu_ops.available():
         sys.exit("the C++ CPU ops do not build here")
@@ -80,7 +84,7 @@ def main() -> None:
     with torch.inference_mode():
         for case in args.cases.split(","):
             seqs, context = (int(x) for x in case.split("x"))
-            layers = [case_inputs(seqs, context, args.kv_dtype, seed) for seed in range(args.layers)]
+            layers = [case_inputs(seqs, context, args.kv_dtype, seed, args.ordered) for seed in range(args.layers)]
             kv_bytes = int(layers[0][0][4].sum()) * KV_HEADS * layers[0][2]
             for r in range(args.rounds):
                 cells = []
