@@ -141,7 +141,7 @@ def forward_only(rows: int, context: int, repeats: int,
         from int8_peak import peak_gops
 
         ops = sum(2 * rows * w.shape[0] * w.shape[1] * w.terms for w in a8)
-        isa = a8_isa(rows * max(w.terms for w in a8))
+        isa = a8_isa(rows, max(w.terms for w in a8))
         peak = peak_gops(isa, torch.get_num_threads())
         nbytes = sum(w.nbytes for w in a8)
         print(f"  a8 GEMMs: {ops / 1e9:.2f} GOP a step (terms counted) = {ops / fast / 1e9:.0f} GOP/s, "
@@ -149,11 +149,11 @@ def forward_only(rows: int, context: int, repeats: int,
               f"{nbytes / fast / 1e9:.1f} GB/s, {nbytes / fast / 1e9 / max(sum_rates(3)):.0%} of torch's sum")
 
 
-def a8_isa(kernel_rows: int) -> str:
-    """The instruction set the a8 op runs for this many rows of codes (kernels/cpu/a8_gemm.cpp:
-    AMX from 16 one-term or 12 two-term rows, the best of the others below)."""
+def a8_isa(rows: int, terms: int) -> str:
+    """The instruction set the a8 op runs for this many rows of x (kernels/cpu/a8_gemm.cpp's
+    kAmxMinRows: AMX from 16 one-term or 12 two-term rows, the best of the others below)."""
     isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
-    if isas[0] == "amx" and kernel_rows < 24:
+    if isas[0] == "amx" and rows < (16 if terms == 1 else 12):
         return isas[1]
     return isas[0]
 

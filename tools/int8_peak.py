@@ -74,11 +74,12 @@ def _source(isa: str) -> str:
     _, vec, width, step, _ = _ISAS[isa]
     zero = f"{width}_setzero_si{width[3:]}()"
     accs = range(_accumulators(isa))
-    # Accumulator i multiplies a[i % 4] by b[i / 4]: a distinct operand pair per accumulator.
-    # Two accumulators that start alike and take the same products are one to the compiler: with
-    # b[i / 4 % 2] the 12 became 8 vpdpbusd per iteration (AVX2: 8 products), and the peak read
-    # 1.5x too high (700 against 467 GOP/s on the AMD EPYC, 2026-11-27). The operands pass
-    # through an empty asm per iteration, so no product leaves the loop.
+    # Accumulator i multiplies a[i % 4] by b[i / 4]: a distinct operand pair each. AVX2's
+    # vpmaddubsw does not read the accumulator, so a shared pair is one product to the compiler,
+    # and accumulators that start alike and take the same products are one accumulator: with
+    # b[i / 4 % 2] the 12 VNNI chains compiled to 8 vpdpbusd per iteration and the peak read 1.5x
+    # too high (700 against 468 GOP/s on the AMD EPYC, 2026-11-27). The operands pass through an
+    # empty asm per iteration, so no product leaves the loop.
     body = "\n".join(f"    acc{i} = {step.format(acc=f'acc{i}', a=f'a{i % 4}', b=f'b{i // 4}')};" for i in accs)
     operands = [f"a{j}" for j in range(4)] + [f"b{j}" for j in range((len(accs) + 3) // 4)]
     return f"""
