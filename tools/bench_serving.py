@@ -16,9 +16,13 @@ each, EOS ignored) start together. Targets (--target):
 
 Every target's requests (their prompts tokenized, the HTTP ones as bytes on open connections) are
 ready before its round's clock starts. Reported per target and N: aggregate decode tok/s (tokens
-after each stream's first, over the span from the first first token to the last token), p50/p95
-TTFT and TPOT, and the speedup over one stream. With --runs R the targets alternate R times
-(this machine is shared: the spread matters); the summary gives median (min-max) per figure and
+after each stream's first, over the span from the first first token to the last token), steady
+decode tok/s (the tokens after the last stream's first token, over the span from it to the last
+token: every stream decoding, no prompt in the step; llama-batched-bench's S_TG is this figure,
+while the first one holds, for the engine, the steps that ran other streams' prompts beside the
+first streams' tokens), p50/p95 TTFT and TPOT, and the speedup over one stream. With --runs R
+the targets alternate R times (this machine is shared: the spread matters); the summary gives
+median (min-max) per figure and
 ratios of each target to the first. --paired (engine and openai only) keeps both up and runs
 their rounds back to back, so each ratio compares rounds seconds apart (see run_paired).
 
@@ -61,7 +65,7 @@ from edgeinfer.models.pull import default_model_path  # noqa: E402
 
 TARGETS = ("engine", "openai", "llama-server", "llama-batched-bench")
 PAIRED_PAUSE_S = 0.6  # between --paired rounds
-FIGURES = ("decode_tok_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")
+FIGURES = ("decode_tok_s", "steady_tok_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -76,15 +80,20 @@ def prompt_ids(encode, key: str, num_tokens: int) -> list[int]:  # noqa: ANN001
     return list(encode(text)[:num_tokens])
 
 
-def round_figures(num_streams: int, streams: list[tuple[float, float, int]], wall_s: float) -> dict[str, float]:
-    """``streams``: per request (TTFT s, last-token time s from the round's start, tokens)."""
-    first_token = min(ttft for ttft, _, _ in streams)
-    last_token = max(end for _, end, _ in streams)
-    tpots = [(end - ttft) / (n - 1) for ttft, end, n in streams if n > 1]
+def round_figures(num_streams: int, streams: list[tuple[float, float, int, list[float]]],
+                  wall_s: float) -> dict[str, float]:
+    """``streams``: per request (TTFT s, last-token time s from the round's start, tokens, the
+    arrival time of each token event after the first)."""
+    first_token = min(ttft for ttft, _, _, _ in streams)
+    last_first = max(ttft for ttft, _, _, _ in streams)
+    last_token = max(end for _, end, _, _ in streams)
+    tpots = [(end - ttft) / (n - 1) for ttft, end, n, _ in streams if n > 1]
+    steady = sum(1 for *_, times in streams for t in times if t > last_first)
     return {"streams": num_streams, "wall_s": wall_s,
-            "decode_tok_s": sum(n - 1 for _, _, n in streams) / max(last_token - first_token, 1e-9),
-            "ttft_p50_s": percentile([t for t, _, _ in streams], 50),
-            "ttft_p95_s": percentile([t for t, _, _ in streams], 95),
+            "decode_tok_s": sum(n - 1 for _, _, n, _ in streams) / max(last_token - first_token, 1e-9),
+            "steady_tok_s": steady / (last_token - last_first) if last_token > last_first else 0.0,
+            "ttft_p50_s": percentile([t for t, _, _, _ in streams], 50),
+            "ttft_p95_s": percentile([t for t, _, _, _ in streams], 95),
             "tpot_p50_s": percentile(tpots, 50), "tpot_p95_s": percentile(tpots, 95)}
 
 
@@ -92,7 +101,7 @@ def round_figures(num_streams: int, streams: list[tuple[float, float, int]], wal
 
 async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespace, round_id: str,
                        new_tokens: int | None = None) -> dict[str, float]:
-    done: list[tuple[float, float, int]] = []
+    done: list[tuple[float, float, int, list[float]]] = []
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=new_tokens or args.new_tokens,
                             ignore_eos=True)
     requests = [GenerateRequest(f"{round_id}-{i}", params=params, prompt_token_ids=tuple(
@@ -101,15 +110,20 @@ async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespac
 
     async def one(i: int) -> None:
         request = requests[i]
-        first = None
+        first, times = None, []
         async for event in engine.generate(request):
             if isinstance(event, Error):
                 raise RuntimeError(f"request {request.request_id} failed: {event.code}: {event.message}")
-            if isinstance(event, Token) and first is None:
-                first = time.perf_counter()
+            if isinstance(event, Token):
+                now = time.perf_counter() - start
+                if first is None:
+                    first = now
+                    times.extend([now] * (len(event.token_ids) - 1))
+                else:
+                    times.extend([now] * len(event.token_ids))
             if isinstance(event, Finished):
                 assert first is not None
-                done.append((first - start, time.perf_counter() - start, event.usage.completion_tokens))
+                done.append((first, time.perf_counter() - start, event.usage.completion_tokens, times))
 
     async with anyio.create_task_group() as tg:
         for i in range(num_streams):
@@ -154,7 +168,7 @@ async def http_round(port: int, headers: dict[str, str], num_streams: int, args:
 
 async def _timed_round(connections: list[Connection], args: argparse.Namespace, encode,  # noqa: ANN001
                        round_id: str, new_tokens: int | None) -> dict[str, float]:
-    done: list[tuple[float, float, int]] = []
+    done: list[tuple[float, float, int, list[float]]] = []
     num_streams = len(connections)
     for connection in connections:
         await connection.open()
@@ -168,7 +182,7 @@ async def _timed_round(connections: list[Connection], args: argparse.Namespace, 
     start = time.perf_counter()
 
     async def one(i: int) -> None:
-        first, chunks, usage = None, 0, None
+        first, chunks, usage, times = None, 0, None, []
         async for data in connections[i].events():
             # JSON is parsed only where needed: on 2 cores the client's own work slows the server.
             if not data.startswith(b"{"):
@@ -180,9 +194,14 @@ async def _timed_round(connections: list[Connection], args: argparse.Namespace, 
                 if not (chunk.get("choices") and chunk["choices"][0].get("text")):
                     continue
             chunks += 1
-            first = first or time.perf_counter()
+            if first is None:
+                first = time.perf_counter() - start
+            else:
+                times.append(time.perf_counter() - start)
         assert first is not None, f"stream {i} had no token"
-        done.append((first - start, time.perf_counter() - start, usage or chunks))
+        tokens = usage or chunks
+        # The last chunk (finish_reason, text "") is counted among them: the usage says how many carried tokens.
+        done.append((first, time.perf_counter() - start, tokens, times[:tokens - 1]))
 
     for connection, request in zip(connections, requests, strict=True):
         connection.write(request)
@@ -293,7 +312,8 @@ def run_batched_bench(args: argparse.Namespace) -> list[dict[str, float]]:
         if len(cells) >= 8 and re.fullmatch(r"\d+", cells[0]) and re.fullmatch(r"\d+", cells[2]):
             n, t_pp, t_tg, s_tg = int(cells[2]), float(cells[4]), float(cells[6]), float(cells[7])
             tpot = t_tg / args.new_tokens
-            rows.append({"streams": n, "wall_s": t_pp + t_tg, "decode_tok_s": s_tg, "ttft_p50_s": t_pp,
+            rows.append({"streams": n, "wall_s": t_pp + t_tg, "decode_tok_s": s_tg, "steady_tok_s": s_tg,
+                         "ttft_p50_s": t_pp,
                          "ttft_p95_s": t_pp, "tpot_p50_s": tpot, "tpot_p95_s": tpot})
     if len(rows) != len(args.streams):
         raise RuntimeError(f"could not read llama-batched-bench's table:\n{out}")
@@ -311,9 +331,9 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
 
 def print_summary(results: dict[str, list[list[dict[str, float]]]], streams: list[int]) -> None:
     """results[target][run][i] is the row for streams[i]."""
-    print("| target | streams | decode tok/s | vs 1 stream | TTFT p50 ms | TPOT p50 ms | TPOT p95 ms | "
-          "TPOT p95 / 1-stream p50 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| target | streams | decode tok/s | steady decode tok/s | vs 1 stream | TTFT p50 ms | TPOT p50 ms | "
+          "TPOT p95 ms | TPOT p95 / 1-stream p50 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for target, runs in results.items():
         for i, n in enumerate(streams):
             rows = [run[i] for run in runs]
@@ -321,7 +341,8 @@ def print_summary(results: dict[str, list[list[dict[str, float]]]], streams: lis
             pairs = list(zip(rows, base, strict=True)) if base else []
             speedup = spread([r["decode_tok_s"] / b["decode_tok_s"] for r, b in pairs], fmt=".2f") if base else "-"
             tail = spread([r["tpot_p95_s"] / b["tpot_p50_s"] for r, b in pairs], fmt=".2f") if base else "-"
-            print(f"| {target} | {n} | {spread([r['decode_tok_s'] for r in rows])} | {speedup} | "
+            print(f"| {target} | {n} | {spread([r['decode_tok_s'] for r in rows])} | "
+                  f"{spread([r['steady_tok_s'] for r in rows])} | {speedup} | "
                   f"{spread([r['ttft_p50_s'] for r in rows], 1e3, '.0f')} | "
                   f"{spread([r['tpot_p50_s'] for r in rows], 1e3)} | {spread([r['tpot_p95_s'] for r in rows], 1e3)} | "
                   f"{tail} |")
@@ -331,8 +352,9 @@ def print_summary(results: dict[str, list[list[dict[str, float]]]], streams: lis
         for i, n in enumerate(streams):
             pairs = list(zip(results[names[0]], results[other], strict=True))
             tok = spread([a[i]["decode_tok_s"] / b[i]["decode_tok_s"] for a, b in pairs], fmt=".2f")
+            steady = spread([a[i]["steady_tok_s"] / b[i]["steady_tok_s"] for a, b in pairs], fmt=".2f")
             ttft = spread([a[i]["ttft_p50_s"] / b[i]["ttft_p50_s"] for a, b in pairs], fmt=".2f")
-            print(f"  {n:>3} streams: decode tok/s {tok}x, TTFT p50 {ttft}x")
+            print(f"  {n:>3} streams: decode tok/s {tok}x, steady decode {steady}x, TTFT p50 {ttft}x")
 
 
 def main() -> None:
