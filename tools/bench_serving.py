@@ -331,18 +331,19 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
 
 def print_summary(results: dict[str, list[list[dict[str, float]]]], streams: list[int]) -> None:
     """results[target][run][i] is the row for streams[i]."""
-    print("| target | streams | decode tok/s | steady decode tok/s | vs 1 stream | TTFT p50 ms | TPOT p50 ms | "
-          "TPOT p95 ms | TPOT p95 / 1-stream p50 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| target | streams | decode tok/s | vs 1 stream | steady decode tok/s | vs 1 stream | TTFT p50 ms | "
+          "TPOT p50 ms | TPOT p95 ms | TPOT p95 / 1-stream p50 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for target, runs in results.items():
         for i, n in enumerate(streams):
             rows = [run[i] for run in runs]
             base = [run[streams.index(1)] for run in runs] if 1 in streams else None
             pairs = list(zip(rows, base, strict=True)) if base else []
             speedup = spread([r["decode_tok_s"] / b["decode_tok_s"] for r, b in pairs], fmt=".2f") if base else "-"
+            steady = spread([r["steady_tok_s"] / b["steady_tok_s"] for r, b in pairs], fmt=".2f") if base else "-"
             tail = spread([r["tpot_p95_s"] / b["tpot_p50_s"] for r, b in pairs], fmt=".2f") if base else "-"
-            print(f"| {target} | {n} | {spread([r['decode_tok_s'] for r in rows])} | "
-                  f"{spread([r['steady_tok_s'] for r in rows])} | {speedup} | "
+            print(f"| {target} | {n} | {spread([r['decode_tok_s'] for r in rows])} | {speedup} | "
+                  f"{spread([r['steady_tok_s'] for r in rows])} | {steady} | "
                   f"{spread([r['ttft_p50_s'] for r in rows], 1e3, '.0f')} | "
                   f"{spread([r['tpot_p50_s'] for r in rows], 1e3)} | {spread([r['tpot_p95_s'] for r in rows], 1e3)} | "
                   f"{tail} |")
