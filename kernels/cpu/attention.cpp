@@ -54,6 +54,10 @@ void key_scores(const float* q, const T* k_cache, const int64_t* rows, int64_t l
                 float* scores, int64_t stride) {
   int64_t t = 0;
   for (; t + 2 <= len; t += 2) {
+    if (t + edgeinfer_cpu::kKvAhead + 1 < len) {
+      edgeinfer_cpu::prefetch_row(k_cache + rows[t + edgeinfer_cpu::kKvAhead], head_dim * sizeof(T));
+      edgeinfer_cpu::prefetch_row(k_cache + rows[t + edgeinfer_cpu::kKvAhead + 1], head_dim * sizeof(T));
+    }
     __m256 a0[G], a1[G];
     for (int j = 0; j < G; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
     const T* k0 = k_cache + rows[t];
@@ -92,6 +96,10 @@ void weighted_values(const float* p, int64_t stride, const T* v_cache, const int
   for (int j = 0; j < G; ++j) even[j] = odd[j] = _mm256_setzero_ps();
   int64_t t = 0;
   for (; t + 2 <= len; t += 2) {
+    if (d0 == 0 && t + edgeinfer_cpu::kKvAhead + 1 < len) {  // the later channel passes find the rows cached
+      edgeinfer_cpu::prefetch_row(v_cache + rows[t + edgeinfer_cpu::kKvAhead], head_dim * sizeof(T));
+      edgeinfer_cpu::prefetch_row(v_cache + rows[t + edgeinfer_cpu::kKvAhead + 1], head_dim * sizeof(T));
+    }
     const __m256 v0 = load8(v_cache + rows[t] + d0), v1 = load8(v_cache + rows[t + 1] + d0);
     for (int j = 0; j < G; ++j) {
       even[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * stride + t]), v0, even[j]);

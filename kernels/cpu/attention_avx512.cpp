@@ -47,10 +47,16 @@ inline __m512 load16<KvType::kI8>(const void* base, int64_t at) {  // codes; the
 // Channels [16c, 16c + 16) of token t's row as fp32: plain caches and int8 codes (whose scales
 // attention.cpp applies to the scores and the softmax weights) at base + rows[t] elements.
 template <KvType T>
+constexpr int64_t kElementBytes = T == KvType::kF32 ? 4 : T == KvType::kI8 ? 1 : 2;
+
+template <KvType T>
 struct PlainRows {
   const void* base;
   const int64_t* rows;
   __m512 operator()(int64_t t, int64_t c) const { return load16<T>(base, rows[t] + 16 * c); }
+  void prefetch(int64_t t, int64_t head_dim) const {  // token t's row (head_dim values) on its way into L1
+    edgeinfer_cpu::prefetch_row(static_cast<const char*>(base) + rows[t] * kElementBytes<T>, head_dim * kElementBytes<T>);
+  }
 };
 
 // int4 rows (attention_avx512.h): 8 bytes hold 16 channels, each byte's low nibble the even one;
@@ -71,6 +77,7 @@ struct Int4Rows {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(nibbles), _mm512_set1_ps(_cvtsh_ss(scales[at])),
                            _mm512_set1_ps(_cvtsh_ss(zeros[at])));
   }
+  void prefetch(int64_t, int64_t) const {}
 };
 
 // Lane i of the result: the sum of a[i]'s 16 lanes. Pairs of vectors are folded into one at
@@ -101,6 +108,7 @@ void key_scores(const float* q, int64_t g, const Rows& key, int64_t len, int64_t
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int64_t n = len - t0 < 16 ? len - t0 : 16;
     for (int64_t i = 0; i < 16; ++i) {  // a short last block's missing keys score 0 and are not stored
+      if (t0 + edgeinfer_cpu::kKvAhead + i < len) key.prefetch(t0 + edgeinfer_cpu::kKvAhead + i, head_dim);
       for (int64_t c = 0; c < chunks; ++c) {
         _mm512_store_ps(keys + i * head_dim + 16 * c, i < n ? key(t0 + i, c) : _mm512_setzero_ps());
       }
@@ -129,6 +137,7 @@ void values_pass(const float* p, int64_t stride, const Rows& value, int64_t len,
     for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < len; ++t) {
+    if (d0 == 0 && t + edgeinfer_cpu::kKvAhead < len) value.prefetch(t + edgeinfer_cpu::kKvAhead, head_dim);
     __m512 x[C];
     for (int c = 0; c < C; ++c) x[c] = value(t, d0 / 16 + c);
     for (int j = 0; j < G; ++j) {

@@ -9,6 +9,18 @@
 
 namespace edgeinfer_cpu {
 
+// Cached tokens the decode attention loops over plain and int8 caches prefetch ahead of the one
+// they read (both paths; int4 caches' loops do not): a step's caches come from memory (each
+// layer's after the weights of the layers between), and with the hardware prefetchers alone the
+// op read them at 9-10 GB/s against 26-30 from cache (tools/bench_cpu_attention.py --layers 30;
+// 16 and 64 ahead measured alike, docs/BENCHMARKS.md).
+constexpr int64_t kKvAhead = 32;
+
+// A row of `bytes` at p on its way into L1. static: each file keeps its own copy (see above).
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
+
 // The cache element types the AVX-512 loops read (int8: the codes; attention.cpp applies their
 // scales to the scores and the softmax weights; int4 caches have loops of their own, below).
 // attention.cpp checks the CPU (AVX512F) before calling them.
