@@ -44,18 +44,19 @@ inline __m512 load16<KvType::kI8>(const void* base, int64_t at) {  // codes; the
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
 }
 
-// Channels [16c, 16c + 16) of token t's row as fp32: plain caches and int8 codes (whose scales
-// attention.cpp applies to the scores and the softmax weights) at base + rows[t] elements.
 template <KvType T>
 constexpr int64_t kElementBytes = T == KvType::kF32 ? 4 : T == KvType::kI8 ? 1 : 2;
 
+// Channels [16c, 16c + 16) of token t's row as fp32: plain caches and int8 codes (whose scales
+// attention.cpp applies to the scores and the softmax weights) at base + rows[t] elements.
 template <KvType T>
 struct PlainRows {
   const void* base;
   const int64_t* rows;
   __m512 operator()(int64_t t, int64_t c) const { return load16<T>(base, rows[t] + 16 * c); }
   void prefetch(int64_t t, int64_t head_dim) const {  // token t's row (head_dim values) on its way into L1
-    edgeinfer_cpu::prefetch_row(static_cast<const char*>(base) + rows[t] * kElementBytes<T>, head_dim * kElementBytes<T>);
+    edgeinfer_cpu::prefetch_row(static_cast<const char*>(base) + rows[t] * kElementBytes<T>,
+                                head_dim * kElementBytes<T>);
   }
 };
 
