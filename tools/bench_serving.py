@@ -80,20 +80,19 @@ def prompt_ids(encode, key: str, num_tokens: int) -> list[int]:  # noqa: ANN001
     return list(encode(text)[:num_tokens])
 
 
-def round_figures(num_streams: int, streams: list[tuple[float, float, int, list[float]]],
+def round_figures(num_streams: int, streams: list[tuple[list[float], float, int]],
                   wall_s: float) -> dict[str, float]:
-    """``streams``: per request (TTFT s, last-token time s from the round's start, tokens, the
-    arrival time of each token event after the first)."""
-    first_token = min(ttft for ttft, _, _, _ in streams)
-    last_first = max(ttft for ttft, _, _, _ in streams)
-    last_token = max(end for _, end, _, _ in streams)
-    tpots = [(end - ttft) / (n - 1) for ttft, end, n, _ in streams if n > 1]
-    steady = sum(1 for *_, times in streams for t in times if t > last_first)
+    """``streams``: per request (each token's arrival, the first's being the TTFT; the end; the
+    tokens), times in s from the round's start."""
+    ttfts = [times[0] for times, _, _ in streams]
+    last_first = max(ttfts)
+    last_token = max(end for _, end, _ in streams)
+    tpots = [(end - times[0]) / (n - 1) for times, end, n in streams if n > 1]
+    steady = sum(1 for times, _, _ in streams for t in times if t > last_first)
     return {"streams": num_streams, "wall_s": wall_s,
-            "decode_tok_s": sum(n - 1 for _, _, n, _ in streams) / max(last_token - first_token, 1e-9),
+            "decode_tok_s": sum(n - 1 for _, _, n in streams) / max(last_token - min(ttfts), 1e-9),
             "steady_tok_s": steady / (last_token - last_first) if last_token > last_first else 0.0,
-            "ttft_p50_s": percentile([t for t, _, _, _ in streams], 50),
-            "ttft_p95_s": percentile([t for t, _, _, _ in streams], 95),
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
             "tpot_p50_s": percentile(tpots, 50), "tpot_p95_s": percentile(tpots, 95)}
 
 
@@ -101,7 +100,7 @@ def round_figures(num_streams: int, streams: list[tuple[float, float, int, list[
 
 async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespace, round_id: str,
                        new_tokens: int | None = None) -> dict[str, float]:
-    done: list[tuple[float, float, int, list[float]]] = []
+    done: list[tuple[list[float], float, int]] = []
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=new_tokens or args.new_tokens,
                             ignore_eos=True)
     requests = [GenerateRequest(f"{round_id}-{i}", params=params, prompt_token_ids=tuple(
@@ -110,20 +109,15 @@ async def engine_round(engine: Engine, num_streams: int, args: argparse.Namespac
 
     async def one(i: int) -> None:
         request = requests[i]
-        first, times = None, []
+        times: list[float] = []
         async for event in engine.generate(request):
             if isinstance(event, Error):
                 raise RuntimeError(f"request {request.request_id} failed: {event.code}: {event.message}")
             if isinstance(event, Token):
-                now = time.perf_counter() - start
-                if first is None:
-                    first = now
-                    times.extend([now] * (len(event.token_ids) - 1))
-                else:
-                    times.extend([now] * len(event.token_ids))
+                times.extend([time.perf_counter() - start] * len(event.token_ids))
             if isinstance(event, Finished):
-                assert first is not None
-                done.append((first, time.perf_counter() - start, event.usage.completion_tokens, times))
+                assert times, f"request {request.request_id} had no token"
+                done.append((times, time.perf_counter() - start, event.usage.completion_tokens))
 
     async with anyio.create_task_group() as tg:
         for i in range(num_streams):
@@ -168,7 +162,7 @@ async def http_round(port: int, headers: dict[str, str], num_streams: int, args:
 
 async def _timed_round(connections: list[Connection], args: argparse.Namespace, encode,  # noqa: ANN001
                        round_id: str, new_tokens: int | None) -> dict[str, float]:
-    done: list[tuple[float, float, int, list[float]]] = []
+    done: list[tuple[list[float], float, int]] = []
     num_streams = len(connections)
     for connection in connections:
         await connection.open()
@@ -182,26 +176,22 @@ async def _timed_round(connections: list[Connection], args: argparse.Namespace, 
     start = time.perf_counter()
 
     async def one(i: int) -> None:
-        first, chunks, usage, times = None, 0, None, []
+        usage, times = None, []
         async for data in connections[i].events():
             # JSON is parsed only where needed: on 2 cores the client's own work slows the server.
             if not data.startswith(b"{"):
                 continue
-            if first is None or b'"usage": {' in data or b'"usage":{' in data:
+            if not times or b'"usage": {' in data or b'"usage":{' in data:
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage = chunk["usage"]["completion_tokens"]
                 if not (chunk.get("choices") and chunk["choices"][0].get("text")):
                     continue
-            chunks += 1
-            if first is None:
-                first = time.perf_counter() - start
-            else:
-                times.append(time.perf_counter() - start)
-        assert first is not None, f"stream {i} had no token"
-        tokens = usage or chunks
-        # The last chunk (finish_reason, text "") is counted among them: the usage says how many carried tokens.
-        done.append((first, time.perf_counter() - start, tokens, times[:tokens - 1]))
+            times.append(time.perf_counter() - start)
+        assert times, f"stream {i} had no token"
+        tokens = usage or len(times)
+        # The last chunk (finish_reason, text "") is timed among them: the usage says how many carried tokens.
+        done.append((times[:tokens], time.perf_counter() - start, tokens))
 
     for connection, request in zip(connections, requests, strict=True):
         connection.write(request)
