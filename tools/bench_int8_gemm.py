@@ -16,7 +16,13 @@ runs --repeats calls in a row (the median counts); run it with nice, on a quiet 
 --layer instead times one decode layer's four a8 GEMMs of the default model (qkv 960 x 576, o 576
 x 576, gate/up 3072 x 576, down 576 x 1536, int4 g32, fp16 scales) in a row at each M on this
 CPU's first int8 ISA, --repeats times, and prints the fastest tenth and the median: the figure
-an A/B of the threading (two worktrees, alternated) reads on a noisy host.
+an A/B of the threading (two worktrees, alternated) reads on a noisy host. With --layers L each
+call runs L layers' GEMMs, each layer its own weights (30 x 2.2 MB: more than the caches hold, so
+they come from memory, as in a decode step), and prints the weights' read rate; --merged runs
+the same bytes as two GEMMs (every layer's qkv, o and gate/up rows as one N x 576 weight, every
+down as one N x 1536): what the kernel streams without a GEMM's start and end per 0.2-1.1 MB.
+Each GEMM is one op call from Python; the call floor printed beside (a one-tile GEMM, cached)
+is what the per-layer figure holds of that.
 """
 
 from __future__ import annotations
@@ -64,17 +70,37 @@ def _calls(x: torch.Tensor, a8: cpu_a8.A8Weight, isas: list[str], int16: Callabl
     return calls
 
 
-def layer(ms: list[int], terms: int, repeats: int) -> None:
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # the default model's qkv, o, gate/up, down
+
+
+def _a8_int4(n: int, k: int, seed: int, terms: int) -> cpu_a8.A8Weight:
+    w = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), 32)
+    return cpu_a8.prepare_a8(replace(w, scales=w.scales.half(), mins=w.mins.half()), terms)
+
+
+def layer(ms: list[int], terms: int, repeats: int, layers: int, merged: bool) -> None:
     isa = next(isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa))
-    weights = []
-    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
-        w = quantize_int4(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), 32)
-        weights.append(cpu_a8.prepare_a8(replace(w, scales=w.scales.half(), mins=w.mins.half()), terms))
+    if merged:  # the same bytes as two GEMMs: K = 576 rows of every layer, then every down
+        wide = sum(n for n, k in LAYER_SHAPES if k == 576)
+        weights = [_a8_int4(layers * wide, 576, 1, terms), _a8_int4(layers * 576, 1536, 2, terms)]
+    else:
+        weights = [_a8_int4(n, k, 1000 * layer + n, terms) for layer in range(layers) for n, k in LAYER_SHAPES]
+    nbytes = sum(w.nbytes for w in weights)
+    what = f"{layers} layers' GEMMs as two" if merged else f"{layers} layer(s)' GEMMs"
     for m in ms:
         calls = [functools.partial(cpu_a8.a8_linear, torch.randn(m, w.shape[1]), w, isa) for w in weights]
         times = call_times(lambda calls=calls: [call() for call in calls], repeats, warmup=20)
-        print(f"layer GEMMs, M={m}, {terms} term(s), {isa}: fastest tenth {fastest_tenth(times) * 1e6:.0f} us, "
-              f"median {statistics.median(times) * 1e6:.0f} us")
+        fast = fastest_tenth(times)
+        line = (f"{what}, M={m}, {terms} term(s), {isa}: fastest tenth {fast * 1e6:.0f} us, "
+                f"median {statistics.median(times) * 1e6:.0f} us")
+        if layers > 1:
+            line += (f"; {fast / layers * 1e6:.0f} us a layer, weights {nbytes / 1e6:.1f} MB "
+                     f"at {nbytes / fast / 1e9:.1f} GB/s")
+        print(line)
+    if layers > 1:
+        tile = _a8_int4(16, 576, 3, terms)
+        floor = call_times(functools.partial(cpu_a8.a8_linear, torch.randn(ms[0], 576), tile, isa), repeats, warmup=20)
+        print(f"call floor (one 16 x 576 tile, M={ms[0]}, cached): {fastest_tenth(floor) * 1e6:.1f} us a GEMM call")
 
 
 def main() -> None:
@@ -86,12 +112,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="135m", help="whose MLP shapes (default: 135m)")
     parser.add_argument("--layer", action="store_true", help="one decode layer's four GEMMs (see above)")
+    parser.add_argument("--layers", type=int, default=1, help="--layer: this many layers' weights a call (see above)")
+    parser.add_argument("--merged", action="store_true", help="--layer: their bytes as two GEMMs (see above)")
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    if (args.layers > 1 or args.merged) and not args.layer:
+        parser.error("--layers and --merged go with --layer")
     if not cpu_ops.available():
         sys.exit("the C++ CPU ops do not build here")
     torch.set_num_threads(args.threads)
     if args.layer:
-        layer(args.m, args.terms, args.repeats)
+        layer(args.m, args.terms, args.repeats, args.layers, args.merged)
         return
     isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
     bf16 = cpu_a8.isa_supported(cpu_a8.BF16_ISA)
