@@ -192,6 +192,11 @@ def attention_isa_supported(isa: str) -> bool:
     return bool(torch.ops.edgeinfer_cpu.attention_isa_supported(isa))
 
 
+# decode_layers' phases, in the order of its phase_ns (kernels/cpu/decode_layers.cpp kPhases).
+DECODE_PHASES = ("input norm", "qkv", "rope + kv write", "attention", "o", "residual + norm", "gate/up", "act",
+                 "down + residual")
+
+
 def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor,
                   signed_sin: torch.Tensor, positions: torch.Tensor, k_caches: list[torch.Tensor],
                   v_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -203,7 +208,8 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
                   a8_bf16_rows: torch.Tensor | None = None, qkv_biases: Sequence[torch.Tensor] = (),
                   qk_norms: Sequence[torch.Tensor] = (), out_norms: Sequence[torch.Tensor] = (), window: int = 0,
                   global_every: int = 0, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  activation: str = "silu", attn_softcap: float = 0.0, v_weights: Sequence[torch.Tensor] = ()) -> None:
+                  activation: str = "silu", attn_softcap: float = 0.0, v_weights: Sequence[torch.Tensor] = (),
+                  phase_ns: torch.Tensor | None = None) -> None:
     """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
     into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
     ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
@@ -225,14 +231,15 @@ def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tenso
     (Gemma 2; 0: none); ``v_weights``: none, or four per layer (``decode_layer_v``): V's own weight
     where it comes in another format than Q's and K's, the layer's QKV weight then holding Q and K
     only; ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half
-    negated."""
+    negated; ``phase_ns``: None, or a (len(DECODE_PHASES),) int64 tensor each phase's wall time
+    in nanoseconds is added into, summed over the layers."""
     torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
                                           slot_mapping, block_tables, context_lens, num_heads, scale, eps,
                                           list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
                                           key_centres, list(a8_wsums), a8_isa, list(a8_terms), a8_bf16_rows,
                                           list(qkv_biases), list(qk_norms), list(out_norms), window,
                                           global_every, *(local_rope or (None, None)), activation, attn_softcap,
-                                          list(v_weights))
+                                          list(v_weights), phase_ns)
 
 
 FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prepare_int8 or cpu_a8 weight

@@ -59,10 +59,11 @@ def model_pair(spec: ArchSpec) -> tuple[ModelConfig, LlamaModel, LlamaModel]:
     return config, fused, per_op
 
 
-def decode_times(model: LlamaModel, config: ModelConfig, rows: int, context: int, repeats: int) -> list[float]:
+def decode_times(model: LlamaModel, config: ModelConfig, rows: int, context: int, repeats: int,
+                 phase_ns: torch.Tensor | None = None) -> list[float]:
     """Seconds of each of ``repeats`` decode steps of ``rows`` rows after ``context`` cached tokens
     (fp16 cache, each context prefilled in 128-token chunks, as the fused step takes them),
-    fastest first."""
+    fastest first; ``phase_ns``: the timed steps' fused phases are added into it (LlamaModel.phase_ns)."""
     blocks = (context + repeats) // BLOCK + 2
     pool = KVPool(config.num_layers, blocks * rows + 16, BLOCK, config.num_kv_heads, config.head_dim, "fp16", "fp16",
                   "cpu")
@@ -72,11 +73,15 @@ def decode_times(model: LlamaModel, config: ModelConfig, rows: int, context: int
             chunk = tuple(range(1 + start, 1 + min(context, start + 128)))
             model.forward(*build_batch([SeqChunk(chunk, start, table)], BLOCK, "cpu"), pool)
     times = []
-    for step in range(repeats):
-        ids, batch = build_batch([SeqChunk((5,), context + step, t) for t in tables], BLOCK, "cpu")
-        start = time.perf_counter()
-        model.forward(ids, batch, pool)
-        times.append(time.perf_counter() - start)
+    model.phase_ns = phase_ns
+    try:
+        for step in range(repeats):
+            ids, batch = build_batch([SeqChunk((5,), context + step, t) for t in tables], BLOCK, "cpu")
+            start = time.perf_counter()
+            model.forward(ids, batch, pool)
+            times.append(time.perf_counter() - start)
+    finally:
+        model.phase_ns = None
     return sorted(times)
 
 

@@ -16,7 +16,11 @@
    kernels, also the step's a8 work as a fraction of this machine's peaks: their dot products
    (every term counted) against tools/int8_peak.py's rate for the instruction set that runs
    them, and their weights' bytes (read once a step) as GB/s against torch's sum over 1 GB
-   (tools/bench_weight_stream.py's reference read), both at the fastest tenth.
+   (tools/bench_weight_stream.py's reference read), both at the fastest tenth. With --phases,
+   where the fused step's time goes (the op's own clocks, kernels.cpu_ops.DECODE_PHASES: its
+   layers' norms, each GEMM, RoPE and the K/V writes, attention, the activation), summed over the
+   layers, per step (the mean over the timed steps), and each GEMM's weight read rate: the rest of
+   the forward is the embedding, the final norm and the head.
 3. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
    and built on the main thread but run on a second one: the effect
@@ -54,7 +58,7 @@ from edgeinfer.core.request import GenerateRequest  # noqa: E402
 from edgeinfer.core.sampling_params import SamplingParams  # noqa: E402
 from edgeinfer.engine.api import Engine, EngineConfig  # noqa: E402
 from edgeinfer.models.pull import default_model_path  # noqa: E402
-from kernels import cpu_a8  # noqa: E402
+from kernels import cpu_a8, cpu_ops  # noqa: E402
 
 
 def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -122,7 +126,7 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
 
 
 def forward_only(rows: int, context: int, repeats: int,
-                 cpu_activations: str = RuntimeConfig.cpu_activations) -> None:
+                 cpu_activations: str = RuntimeConfig.cpu_activations, phases: bool = False) -> None:
     from bench_arch_step import decode_times
     from bench_common import fastest_tenth
 
@@ -130,11 +134,14 @@ def forward_only(rows: int, context: int, repeats: int,
     from edgeinfer.worker.build import build_model
 
     model = build_model(load_model(str(default_model_path())), RuntimeConfig(cpu_activations=cpu_activations))
+    phase_ns = torch.zeros(len(cpu_ops.DECODE_PHASES), dtype=torch.int64) if phases else None
     with torch.inference_mode():
-        times = decode_times(model, model.config, rows, context, repeats)
+        times = decode_times(model, model.config, rows, context, repeats, phase_ns)
     fast = fastest_tenth(times)
     print(f"forward, {rows} row(s) after {context} tokens, cpu activations {cpu_activations}, {repeats} steps: "
           f"fastest tenth {fast * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
+    if phase_ns is not None:
+        print_phases(model, phase_ns / repeats / 1e3, statistics.mean(times) * 1e6)
     a8 = [w.kernel for w in (*model.weights.linears(), model.weights.head) if isinstance(w.kernel, cpu_a8.A8Weight)]
     if a8 and not any(w.bf16 for w in a8):
         from bench_weight_stream import sum_rates
@@ -149,6 +156,26 @@ def forward_only(rows: int, context: int, repeats: int,
               f"{nbytes / fast / 1e9:.1f} GB/s, {nbytes / fast / 1e9 / max(sum_rates(3)):.0%} of torch's sum")
 
 
+def print_phases(model: Any, us: torch.Tensor, step_us: float) -> None:
+    """The fused step's phases (``us``: microseconds a step, cpu_ops.DECODE_PHASES' order) beside
+    the mean step, each GEMM with its layers' weight bytes as a read rate."""
+    layers = model.weights.layers
+    gemm_bytes = {"qkv": sum(_nbytes(layer.qkv) + _nbytes(layer.v) for layer in layers),
+                  "o": sum(_nbytes(layer.o) for layer in layers),
+                  "gate/up": sum(_nbytes(layer.gate_up) for layer in layers),
+                  "down + residual": sum(_nbytes(layer.down) for layer in layers)}
+    print(f"  fused step phases, us a step (mean step {step_us:.0f} us; the rest: embedding, final norm, head):")
+    for name, value in zip(cpu_ops.DECODE_PHASES, us.tolist(), strict=True):
+        rate = f"  {gemm_bytes[name] / value / 1e3:5.1f} GB/s of weights" if name in gemm_bytes and value else ""
+        print(f"    {name:>16} {value:8.0f} us {value / step_us:5.1%}{rate}")
+    print(f"    {'all layers':>16} {us.sum().item():8.0f} us {us.sum().item() / step_us:5.1%}")
+
+
+def _nbytes(linear: Any) -> int:
+    """A prepared linear's kernel bytes (0 for none, or a kernel that does not count them)."""
+    return getattr(linear.kernel, "nbytes", 0) if linear is not None else 0
+
+
 def a8_isa(rows: int, terms: int) -> str:
     """The instruction set the a8 op runs for this many rows of x (kernels/cpu/a8_gemm.cpp's
     kAmxMinRows: AMX from 16 one-term or 12 two-term rows, the best of the others below)."""
@@ -159,7 +186,6 @@ def a8_isa(rows: int, terms: int) -> str:
 
 
 def gemm_on_threads() -> None:
-    from kernels import cpu_ops
     from quant.formats import quantize_int4
 
     if not cpu_ops.available():
@@ -206,11 +232,14 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=1.0, help="step: with --temperature (default: 1, off)")
     parser.add_argument("--context", type=int, default=300, help="forward: cached tokens per row (default: 300)")
     parser.add_argument("--repeats", type=int, default=100, help="forward: steps timed (default: 100)")
+    parser.add_argument("--phases", action="store_true", help="forward: the fused step's phases (see above)")
     args = parser.parse_args()
+    if args.phases and args.what != "forward":
+        parser.error("--phases goes with forward")
     if args.what in ("threads", "all"):
         gemm_on_threads()
     if args.what == "forward":
-        forward_only(args.streams, args.context, args.repeats, args.cpu_activations)
+        forward_only(args.streams, args.context, args.repeats, args.cpu_activations, args.phases)
     if args.what in ("step", "all"):
         run_coroutine(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
                                  args.prompt_tokens, args.temperature, args.top_p))

@@ -290,6 +290,9 @@ class LlamaModel(LlamaLayers):
                           for w in (layer.q_norm, layer.k_norm)]
         self._out_norms = [w for layer in prepared.layers if layer.attn_out_norm is not None
                            for w in (layer.attn_out_norm, layer.mlp_out_norm)]
+        # A (len(cpu_ops.DECODE_PHASES),) int64 tensor the fused steps add their phases' times into
+        # (tools/bench_engine_step.py forward --phases); None: not timed.
+        self.phase_ns: torch.Tensor | None = None
 
     @property
     def fused_steps(self) -> bool:
@@ -346,7 +349,7 @@ class LlamaModel(LlamaLayers):
             a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
             out_norms=self._out_norms, window=c.spec.sliding_window or 0, global_every=c.spec.global_every,
             local_rope=self._local_rope, activation=c.spec.activation, attn_softcap=c.spec.attn_softcap or 0.0,
-            v_weights=self.weights.fused_v,
+            v_weights=self.weights.fused_v, phase_ns=self.phase_ns,
         )
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 

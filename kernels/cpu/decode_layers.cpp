@@ -14,6 +14,10 @@
 // arithmetic as the per-op path through the same kernels (ops.h), without ~25 Python calls and
 // torch dispatches per layer (~3-5 us each, 30 layers, every token).
 //
+// With phase_ns ((kPhases,) int64) each phase's wall time on the calling thread is added into it,
+// summed over the layers (DECODE_PHASES in kernels/cpu_ops.py names them): where a step's time goes
+// (tools/bench_engine_step.py forward --phases); a clock read per phase and layer, none without it.
+//
 // h (M, hidden) fp32 is updated in place: M tokens at `positions`, written to pool slots
 // `slot_mapping`; token t attends over the first context_lens[t] slots of its sequence through
 // row t of block_tables. Every row's K/V is written before any row attends, so the tokens of one
@@ -26,6 +30,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -34,6 +39,28 @@
 #include "simd.h"
 
 namespace {
+
+constexpr int64_t kPhases = 9;  // input norm, qkv, rope + K/V write, attention, o, residual + norm, gate/up, act, down + residual
+
+// Adds the time since the last lap to phase i of `ns` (none when null).
+class PhaseClock {
+ public:
+  explicit PhaseClock(int64_t* ns) : ns_(ns), last_(ns ? now() : 0) {}
+  void lap(int i) {
+    if (ns_ == nullptr) return;
+    const int64_t t = now();
+    ns_[i] += t - last_;
+    last_ = t;
+  }
+
+ private:
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  int64_t* ns_;
+  int64_t last_;
+};
 
 constexpr int64_t kPerLayer = 14;  // input_norm, qkv (w, scales, mins), o (3), post_norm, gate_up (3), down (3)
 
@@ -191,7 +218,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                    const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
                    at::TensorList qk_norms, at::TensorList out_norms, int64_t window, int64_t global_every,
                    const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
-                   const std::string& activation, double attn_softcap, at::TensorList v_weights) {
+                   const std::string& activation, double attn_softcap, at::TensorList v_weights,
+                   const c10::optional<at::Tensor>& phase_ns) {
   TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -367,6 +395,10 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   std::vector<float> x(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), y(m * hidden),
       gate_up(m * 2 * inter), act(m * inter), qk(v_weights.empty() ? 0 : m * (q_size + kv_size)),
       v(v_weights.empty() ? 0 : m * kv_size);
+  TORCH_CHECK(!phase_ns.has_value() || (phase_ns->scalar_type() == at::kLong && phase_ns->is_contiguous() &&
+                                         phase_ns->numel() == kPhases),
+              "phase_ns must be a contiguous int64 tensor of ", kPhases, " values");
+  PhaseClock clock(phase_ns.has_value() ? phase_ns->data_ptr<int64_t>() : nullptr);
   float* hp = h.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
     const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
@@ -378,6 +410,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     const float* cos_l = (local && local_cos.has_value() ? *local_cos : cos_table).data_ptr<float>();
     const float* sin_l = (local && local_sin.has_value() ? *local_sin : sin_table).data_ptr<float>();
     edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
+    clock.lap(0);
     if (split_v(l)) {  // Q and K, then V, each on its own weight, into QKV's rows
       linear(w, l, 0, 1, x.data(), q_size + kv_size, hidden, qk.data());
       gemm(v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, a8 ? a8_terms[4 * l] : 1, v_group[l], x.data(), kv_size,
@@ -389,6 +422,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     } else {
       linear(w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
     }
+    clock.lap(1);
     // Tokens (and below, activation rows) in parallel; with RoPE vectorized, a 16-sequence step spends
     // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
     at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
@@ -428,6 +462,7 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
         std::copy(row, row + q_size, q.data() + t * q_size);
       }
     });
+    clock.lap(2);
     const at::Tensor none;
     edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
                                     quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none, int4 ? v_zeros[l] : none,
@@ -439,24 +474,30 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
       });
     }
+    clock.lap(3);
     linear(w, l, 1, 4, attn.data(), hidden, q_size, y.data());
+    clock.lap(4);
     if (!out_norms.empty()) {  // Gemma's sandwich norms: each block's output normed before the residual
       edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l].data_ptr<float>(), m, hidden, static_cast<float>(eps),
                                    y.data());
     }
     add_into(hp, y.data(), m * hidden);
     edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
+    clock.lap(5);
     linear(w, l, 2, 8, x.data(), 2 * inter, hidden, gate_up.data());
+    clock.lap(6);
     at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
       (gelu ? act_mul<true> : act_mul<false>)(gate_up.data() + r0 * 2 * inter, r1 - r0, inter,
                                                act.data() + r0 * inter);
     });
+    clock.lap(7);
     linear(w, l, 3, 11, act.data(), hidden, inter, y.data());
     if (!out_norms.empty()) {
       edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l + 1].data_ptr<float>(), m, hidden,
                                    static_cast<float>(eps), y.data());
     }
     add_into(hp, y.data(), m * hidden);
+    clock.lap(8);
   }
 }
 
@@ -469,7 +510,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
         "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int[] a8_terms, "
         "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor[] out_norms, int window=0, int global_every=0, "
         "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\", float attn_softcap=0.0, "
-        "Tensor[] v_weights) -> ()");
+        "Tensor[] v_weights, Tensor(d!)? phase_ns=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -260,7 +261,37 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
         run(k_caches=codes, v_caches=codes, k_scales=scales, v_scales=scales)
     with pytest.raises(RuntimeError, match="plain caches take no scales"):
         run(k_scales=scales, v_scales=scales)
+    with pytest.raises(RuntimeError, match="phase_ns must be a contiguous int64 tensor of 9"):
+        run(phase_ns=torch.zeros(len(cpu_ops.DECODE_PHASES) - 1, dtype=torch.int64))
     run()  # the same call with good arguments goes through
+
+
+def test_phase_clocks_add_each_phase_and_change_nothing(model: LlamaModel) -> None:
+    """LlamaModel.phase_ns: each fused step adds its phases' wall times (kernels.cpu_ops.DECODE_PHASES)
+    into it, together at most the step's own time, and the logits and cache are what they are without."""
+    c = model.config
+    g = torch.Generator().manual_seed(5)
+    prompt = [int(t) for t in torch.randint(0, c.vocab_size, (6,), generator=g)]
+    token_ids, batch = build_batch([SeqChunk((7,), len(prompt), (0, 1))], BLOCK, model.device)
+    outputs = []
+    for timed in (False, True):
+        pool = _prefilled(model, "fp16", [prompt], [(0, 1)])
+        model.phase_ns = torch.zeros(len(cpu_ops.DECODE_PHASES), dtype=torch.int64) if timed else None
+        try:
+            start = time.perf_counter_ns()
+            outputs.append((model.forward(token_ids, batch, pool), pool.k_caches[0].data.clone()))
+            wall = time.perf_counter_ns() - start
+            if timed:
+                first = model.phase_ns.clone()
+                model.forward(token_ids, batch, pool)
+                second = model.phase_ns.clone()
+        finally:
+            model.phase_ns = None
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    names = cpu_ops.DECODE_PHASES
+    assert all(first[names.index(gemm)] > 0 for gemm in ("qkv", "o", "gate/up", "down + residual"))
+    assert (first >= 0).all() and 0 < first.sum() <= wall
+    assert (second >= first).all() and second.sum() > first.sum()  # added into, not overwritten
 
 
 def test_rope_tables_grow_with_the_contexts_seen_and_stop_at_the_model_context() -> None:
