@@ -126,19 +126,22 @@ async def step_breakdown(runs: int, new_tokens: int, per_op: bool = False, strea
 
 
 def forward_only(rows: int, context: int, repeats: int,
-                 cpu_activations: str = RuntimeConfig.cpu_activations, phases: bool = False) -> None:
+                 cpu_activations: str = RuntimeConfig.cpu_activations, phases: bool = False,
+                 threads: int | None = None) -> None:
     from bench_arch_step import decode_times
     from bench_common import fastest_tenth
 
     from edgeinfer.models.loader import load_model
     from edgeinfer.worker.build import build_model
 
-    model = build_model(load_model(str(default_model_path())), RuntimeConfig(cpu_activations=cpu_activations))
+    model = build_model(load_model(str(default_model_path())),
+                        RuntimeConfig(cpu_activations=cpu_activations, num_threads=threads))
     phase_ns = torch.zeros(len(cpu_ops.DECODE_PHASES), dtype=torch.int64) if phases else None
     with torch.inference_mode():
         times = decode_times(model, model.config, rows, context, repeats, phase_ns)
     fast = fastest_tenth(times)
-    print(f"forward, {rows} row(s) after {context} tokens, cpu activations {cpu_activations}, {repeats} steps: "
+    print(f"forward, {rows} row(s) after {context} tokens, cpu activations {cpu_activations}, "
+          f"{torch.get_num_threads()} thread(s), {repeats} steps: "
           f"fastest tenth {fast * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
     if phase_ns is not None:
         print_phases(model, phase_ns / repeats / 1e3, statistics.mean(times) * 1e6)
@@ -233,13 +236,14 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=300, help="forward: cached tokens per row (default: 300)")
     parser.add_argument("--repeats", type=int, default=100, help="forward: steps timed (default: 100)")
     parser.add_argument("--phases", action="store_true", help="forward: the fused step's phases (see above)")
+    parser.add_argument("--threads", type=int, default=None, help="forward: compute threads (default: one per core)")
     args = parser.parse_args()
-    if args.phases and args.what != "forward":
-        parser.error("--phases goes with forward")
+    if (args.phases or args.threads is not None) and args.what != "forward":
+        parser.error("--phases and --threads go with forward")
     if args.what in ("threads", "all"):
         gemm_on_threads()
     if args.what == "forward":
-        forward_only(args.streams, args.context, args.repeats, args.cpu_activations, args.phases)
+        forward_only(args.streams, args.context, args.repeats, args.cpu_activations, args.phases, args.threads)
     if args.what in ("step", "all"):
         run_coroutine(step_breakdown(args.runs, args.new_tokens, args.per_op, args.streams, args.cpu_activations,
                                  args.prompt_tokens, args.temperature, args.top_p))
