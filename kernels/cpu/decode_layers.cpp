@@ -40,7 +40,9 @@
 
 namespace {
 
-constexpr int64_t kPhases = 9;  // input norm, qkv, rope + K/V write, attention, o, residual + norm, gate/up, act, down + residual
+// phase_ns' phases: input norm, qkv, RoPE + K/V write, attention, o, residual + norm, gate/up, act,
+// down + residual.
+constexpr int64_t kPhases = 9;
 
 // Adds the time since the last lap to phase i of `ns` (none when null).
 class PhaseClock {
