@@ -213,6 +213,48 @@ void bf16_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Ten
              [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx_bf16(p, t0, t1, scratch); });
 }
 
+// The calling thread's buffers for `rows` rows of quantized x, kept from call to call. Allocated
+// per call, with the two terms' outputs kept apart and summed after, a 256-token chunk of a 1.7B
+// model's gate/up took ~35 MB, zeroed and page-faulted every call.
+struct XBuffers {
+  int8_t* codes;
+  float* scale;
+  float* gsum;  // null without mins
+};
+XBuffers thread_buffers(int64_t rows, int64_t terms, int64_t k, int64_t units, int64_t groups, bool has_mins) {
+  thread_local std::vector<int8_t> xq_buffer;
+  thread_local std::vector<float> scale_buffer, gsum_buffer;
+  xq_buffer.resize(std::max<size_t>(xq_buffer.size(), rows * terms * k));
+  scale_buffer.resize(std::max<size_t>(scale_buffer.size(), rows * units));
+  gsum_buffer.resize(std::max<size_t>(gsum_buffer.size(), has_mins ? rows * groups : 0));
+  return {xq_buffer.data(), scale_buffer.data(), has_mins ? gsum_buffer.data() : nullptr};
+}
+
+// Rows [r0, r1) of x (K values each) quantized into `b`: per unit of `unit` values its codes (and
+// with two terms its rounding residual's), the unit scales and, where b.gsum, the group sums;
+// `offset_x`: the codes as uint8 x + 128 (the VNNI int8 kernels).
+void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int64_t unit, int64_t group, int64_t terms,
+                   bool offset_x, const XBuffers& b) {
+  const int64_t units = k / unit, groups = k / group;
+  std::vector<float> residual(terms == 2 ? k : 0);  // one row's, consumed at once by its second term
+  for (int64_t r = r0; r < r1; ++r) {
+    int8_t* row = b.codes + r * terms * k;
+    const int64_t stride = terms * unit;  // two terms: a unit's codes, then its residual's
+    quantize_row(x + r * k, k, unit, stride, group, row, b.scale + r * units, b.gsum ? b.gsum + r * groups : nullptr,
+                 terms == 2 ? residual.data() : nullptr);
+    if (terms == 2) quantize_residual(residual.data(), k, unit, stride, row + unit, b.scale + r * units);
+    if (offset_x) {
+      for (int64_t i = 0; i < terms * k; ++i) row[i] = static_cast<int8_t>(row[i] ^ 0x80);  // + 128
+    }
+  }
+}
+
+Kernel column_kernel(const std::string& isa) {
+  return isa == "avx512vnni" ? edgeinfer_cpu::a8_columns_avx512vnni
+         : isa == "avxvnni"  ? edgeinfer_cpu::a8_columns_avxvnni
+                               : edgeinfer_cpu::a8_columns_avx2;
+}
+
 // The op: checks, then a8_gemm_rows.
 at::Tensor a8_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& mins_in, const c10::optional<at::Tensor>& wsum_in, int64_t n,
@@ -260,7 +302,7 @@ int64_t edgeinfer_cpu::a8_group(const at::Tensor& codes, const at::Tensor& scale
 void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
                                  const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k,
                                  const std::string& isa, float* y, int64_t terms) {
-  TORCH_CHECK(isa_supported(isa), "this CPU cannot run the ", isa, " kernel");
+  a8_check_isa(isa);
   TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2, got ", terms);
   const int64_t group = a8_group(codes, scales, n, k, "w");
   const bool int4 = codes.scalar_type() == at::kByte;
@@ -291,46 +333,48 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   // The AMX kernel reads whole 16-row blocks: the padding rows' codes and scales are left as the
   // buffers hold them (their products are never stored).
   const int64_t padded = on_amx ? amx_rows(m) : m;
-  // The calling thread's buffers, kept from call to call. Allocated per call, with the two terms'
-  // outputs kept apart and summed after, a 256-token chunk of a 1.7B model's gate/up took ~35 MB,
-  // zeroed and page-faulted every call.
-  thread_local std::vector<int8_t> xq_buffer;
-  thread_local std::vector<float> scale_buffer, gsum_buffer;
-  xq_buffer.resize(std::max<size_t>(xq_buffer.size(), padded * terms * k));
-  scale_buffer.resize(std::max<size_t>(scale_buffer.size(), padded * units));
-  gsum_buffer.resize(std::max<size_t>(gsum_buffer.size(), has_mins ? padded * groups : 0));
   // Plain pointers: inside the parallel region a thread_local's name would be the worker's own.
-  int8_t* xq = xq_buffer.data();
-  float* x_scale = scale_buffer.data();
-  float* x_gsum = has_mins ? gsum_buffer.data() : nullptr;
+  const XBuffers b = thread_buffers(padded, terms, k, units, groups, has_mins);
   // Rows over the threads from 8 rows up: serial, a 16-stream decode step's quantization took
   // ~7% of the compute thread's time while the other thread waited.
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
-    std::vector<float> residual(terms == 2 ? k : 0);  // one row's, consumed at once by its second term
-    for (int64_t r = r0; r < r1; ++r) {
-      int8_t* row = xq + r * terms * k;
-      const int64_t stride = terms * unit;  // two terms: a unit's codes, then its residual's
-      quantize_row(x + r * k, k, unit, stride, group, row, x_scale + r * units,
-                   has_mins ? x_gsum + r * groups : nullptr, terms == 2 ? residual.data() : nullptr);
-      if (terms == 2) quantize_residual(residual.data(), k, unit, stride, row + unit, x_scale + r * units);
-      if (offset_x) {
-        for (int64_t i = 0; i < terms * k; ++i) row[i] = static_cast<int8_t>(row[i] ^ 0x80);  // + 128
-      }
-    }
+    quantize_rows(x, r0, r1, k, unit, group, terms, offset_x, b);
   });
   const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
                     has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
-                    reinterpret_cast<const uint8_t*>(xq), x_scale, x_gsum, y, m, n, k, group, terms, int4,
+                    reinterpret_cast<const uint8_t*>(b.codes), b.scale, b.gsum, y, m, n, k, group, terms, int4,
                     scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
   if (on_amx) {  // the scratch holds an int4 tile unpacked: K x 16 bytes per term
     over_tiles(tiles, rows, k, terms * k * kA8Cols,
                [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx(p, t0, t1, scratch); });
     return;
   }
-  const Kernel kernel = run_isa == "avx512vnni" ? a8_columns_avx512vnni
-                        : run_isa == "avxvnni"  ? a8_columns_avxvnni
-                                                : a8_columns_avx2;
+  const Kernel kernel = column_kernel(run_isa);
   over_tiles(tiles, rows, k, 0, [&](int64_t t0, int64_t t1, uint8_t*) { kernel(p, t0, t1); });
+}
+
+void edgeinfer_cpu::a8_check_isa(const std::string& isa) {
+  TORCH_CHECK(isa_supported(isa), "this CPU cannot run the ", isa, " kernel");
+}
+
+void edgeinfer_cpu::a8_gemm_team(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
+                                 const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k, int64_t group,
+                                 const std::string& isa, float* y, int64_t terms, const Team& team) {
+  // Below kAmxMinRows, as every team's rows are: "amx" runs its AVX512-VNNI kernel (a8_gemm_rows).
+  const std::string run_isa = isa == "amx" ? "avx512vnni" : isa;
+  const bool int4 = codes.scalar_type() == at::kByte;
+  const bool has_mins = mins.defined() && mins.numel() > 0;
+  const bool offset_x = !int4 && (run_isa == "avx512vnni" || run_isa == "avxvnni");
+  const int64_t unit = std::min(group, kA8Unit);
+  const XBuffers b = thread_buffers(m, terms, k, k / unit, k / group, has_mins);  // this thread's own
+  quantize_rows(x, 0, m, k, unit, group, terms, offset_x, b);
+  const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+                    has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
+                    reinterpret_cast<const uint8_t*>(b.codes), b.scale, b.gsum, y, m, n, k, group, terms, int4,
+                    scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
+  const auto [t0, t1] = team.share((n + kA8Cols - 1) / kA8Cols);
+  if (t1 > t0) column_kernel(run_isa)(p, t0, t1);
+  team.sync();
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

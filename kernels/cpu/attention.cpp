@@ -305,7 +305,8 @@ constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not wo
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, float scale, float* out, const KvScales& sc, int64_t window, float softcap, bool wide) {
+            int64_t block_size, float scale, float* out, const KvScales& sc, int64_t window, float softcap, bool wide,
+            const edgeinfer_cpu::Team* team) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
@@ -322,9 +323,16 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
       num_seqs >= want ? 1 : std::max<int64_t>(1, std::min((want + num_seqs - 1) / num_seqs, max_len / kMinPart));
   const int64_t units = num_seqs * parts;
   const int64_t items = pairs * parts;  // (sequence, KV head, part): one partial softmax each
-  std::vector<float> part_m(items * group), part_l(items * group), part_o(items * group * head_dim);
-  // Claimed in chunks: sequences' contexts differ in length, so equal counts of units are not equal work.
-  edgeinfer_cpu::balanced_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+  // The partial softmaxes: maxima, sums and value sums per item and query head (a team's are shared).
+  std::vector<float> own;
+  std::vector<float>& partials = team != nullptr ? team->scratch : own;
+  const size_t partial_floats = items * group * (2 + head_dim);
+  if (team == nullptr || team->tid == 0) partials.resize(std::max(partials.size(), partial_floats));
+  if (team != nullptr) team->sync();
+  float* const part_m = partials.data();
+  float* const part_l = part_m + items * group;
+  float* const part_o = part_l + items * group;
+  const auto run_units = [&](int64_t u0, int64_t u1) {
     std::vector<float> scores;
     std::vector<int64_t> rows;  // element offset of each context token's (K or V) row of KV head 0
     std::vector<int64_t> srows;  // int8 caches: index of each token's scale for KV head 0 (slot * Hkv)
@@ -348,9 +356,9 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
       }
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t item = (s * num_kv_heads + h) * parts + part;
-        float* m = part_m.data() + item * group;
-        float* l = part_l.data() + item * group;
-        float* o = part_o.data() + item * group * head_dim;
+        float* m = part_m + item * group;
+        float* l = part_l + item * group;
+        float* o = part_o + item * group * head_dim;
         if (t_end <= t_begin) {  // an empty part weighs nothing in the merge
           std::fill_n(m, group, -INFINITY);
           std::fill_n(l, group, 0.0f);
@@ -390,9 +398,16 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         }
       }
     }
-  });
+  };
+  if (team == nullptr) {
+    // Claimed in chunks: sequences' contexts differ in length, so equal counts of units are not equal work.
+    edgeinfer_cpu::balanced_for(0, units, 1, run_units);
+  } else {  // a few rows: every unit about as long; each thread takes every n-th
+    for (int64_t unit = team->tid; unit < units; unit += team->n) run_units(unit, unit + 1);
+    team->sync();
+  }
   // Merge: out = sum_c o_c exp(m_c - M) / sum_c l_c exp(m_c - M), M the largest part max.
-  for (int64_t pair = 0; pair < pairs; ++pair) {
+  for (int64_t pair = team ? team->tid : 0; pair < pairs; pair += team ? team->n : 1) {
     const int64_t s = pair / num_kv_heads, h = pair % num_kv_heads;
     for (int64_t j = 0; j < group; ++j) {
       float* dst = out + (s * num_heads + h * group + j) * head_dim;
@@ -405,7 +420,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         const int64_t at = (pair * parts + c) * group + j;
         const float w = std::exp(part_m[at] - top);
         total += part_l[at] * w;
-        const float* o = part_o.data() + at * head_dim;
+        const float* o = part_o + at * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * o[d];
       }
       const float inv = 1.0f / total;
@@ -438,14 +453,15 @@ bool wide_loops(const std::string& isa, int64_t head_dim) {
 void decode_any(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
                 const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero, const int32_t* tables,
                 int64_t table_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale,
-                float* out, int64_t window = 0, float softcap = 0.0f, const std::string& isa = "") {
+                float* out, int64_t window = 0, float softcap = 0.0f, const std::string& isa = "",
+                const edgeinfer_cpu::Team* team = nullptr) {
   const bool int4 = k_cache.scalar_type() == at::kByte;
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t head_dim = int4 ? 2 * k_cache.size(3) : k_cache.size(3);
   const bool wide = wide_loops(isa, head_dim);
   const auto run = [&](auto* k, auto* v, const KvScales& sc = {}) {
     decode(q, k, v, tables, table_stride, lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out, sc,
-           window, softcap, wide);
+           window, softcap, wide, team);
   };
   switch (k_cache.scalar_type()) {
     case at::kFloat: run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>()); break;
@@ -529,9 +545,9 @@ void edgeinfer_cpu::decode_attention(const float* q, const at::Tensor& k_cache, 
                                      const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& k_zero,
                                      const at::Tensor& v_zero, const int32_t* tables, int64_t table_stride,
                                      const int32_t* lens, int64_t num_seqs, int64_t num_heads, float scale, float* out,
-                                     int64_t window, float softcap) {
+                                     int64_t window, float softcap, const Team* team) {
   decode_any(q, k_cache, v_cache, k_scale, v_scale, k_zero, v_zero, tables, table_stride, lens, num_seqs, num_heads,
-             scale, out, window, softcap);
+             scale, out, window, softcap, "", team);
 }
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {

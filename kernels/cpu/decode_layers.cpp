@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -64,6 +65,7 @@ class PhaseClock {
   int64_t last_;
 };
 
+constexpr int64_t kTeamMaxRows = 4;  // steps of up to this many rows run as a team (see use_team)
 constexpr int64_t kPerLayer = 14;  // input_norm, qkv (w, scales, mins), o (3), post_norm, gate_up (3), down (3)
 
 // RoPE in place on `heads` vectors of head_dim at x for one token.
@@ -374,10 +376,19 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     TORCH_CHECK(a8 && marks.numel() == m, "a8_bf16_rows needs a8 linears and one mark per row (M)");
     std::copy_n(marks.data_ptr<bool>(), m, bf16_row.begin());
   }
+  // A few a8 rows (no bf16 ones) run as a team: every layer in one parallel region, each op split
+  // across its threads, which meet at spin barriers (parallel.h Team; docs/BENCHMARKS.md, "Where a
+  // decode step's time goes": a one-row step's qkv, o and down GEMMs 6-50% shorter, the step
+  // 3-22%). More rows: each op runs its own parallel region, its work claimed in chunks.
+  const bool use_team = a8 && m <= kTeamMaxRows && at::get_num_threads() > 1 &&
+                        std::none_of(bf16_row.begin(), bf16_row.end(), [](uint8_t b) { return b != 0; });
+  if (use_team) edgeinfer_cpu::a8_check_isa(a8_isa);  // nothing may throw inside the team
   // y (m, n) = x @ W.T for the weight at w[at] (codes, scales, mins; a8: its wsum, its group).
-  const auto gemm = [&](const at::TensorList& w, int64_t at, const at::Tensor& wsum, int64_t terms, int64_t group_size,
-                        const float* in, int64_t n, int64_t k, float* out) {
-    if (a8) {
+  const auto gemm = [&](const edgeinfer_cpu::Team* team, const at::TensorList& w, int64_t at, const at::Tensor& wsum,
+                        int64_t terms, int64_t group_size, const float* in, int64_t n, int64_t k, float* out) {
+    if (team != nullptr) {
+      edgeinfer_cpu::a8_gemm_team(in, m, w[at], w[at + 1], w[at + 2], wsum, n, k, group_size, a8_isa, out, terms, *team);
+    } else if (a8) {
       for (int64_t r0 = 0, r1 = 0; r0 < m; r0 = r1) {
         for (r1 = r0 + 1; r1 < m && bf16_row[r1] == bf16_row[r0];) ++r1;
         edgeinfer_cpu::a8_gemm_rows(in + r0 * k, r1 - r0, w[at], w[at + 1], w[at + 2], wsum, n, k,
@@ -389,9 +400,10 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   };
   const at::Tensor no_wsum;
   // Linear j of layer l (qkv, o, gate_up, down) at w[at].
-  const auto linear = [&](const at::TensorList& w, int64_t l, int64_t j, int64_t at, const float* in, int64_t n,
-                          int64_t k, float* out) {
-    gemm(w, at, a8 ? a8_wsums[4 * l + j] : no_wsum, a8 ? a8_terms[4 * l + j] : 1, group[4 * l + j], in, n, k, out);
+  const auto linear = [&](const edgeinfer_cpu::Team* team, const at::TensorList& w, int64_t l, int64_t j, int64_t at,
+                          const float* in, int64_t n, int64_t k, float* out) {
+    gemm(team, w, at, a8 ? a8_wsums[4 * l + j] : no_wsum, a8 ? a8_terms[4 * l + j] : 1, group[4 * l + j], in, n, k,
+         out);
   };
   const bool gelu = activation == "gelu_tanh";
   std::vector<float> x(m * hidden), qkv(m * qkv_size), q(m * q_size), attn(m * q_size), y(m * hidden),
@@ -402,6 +414,26 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
               "phase_ns must be a contiguous int64 tensor of ", kPhases, " values");
   PhaseClock clock(phase_ns.has_value() ? phase_ns->data_ptr<int64_t>() : nullptr);
   float* hp = h.data_ptr<float>();
+  // Every layer, run by the calling thread (team null: each op parallel on its own) or by every
+  // thread of a team (each op its share, then a sync).
+  const auto run_layers = [&](const edgeinfer_cpu::Team* team) {
+  const bool lead = team == nullptr || team->tid == 0;
+  const auto lap = [&](int phase) {
+    if (lead) clock.lap(phase);
+  };
+  const auto sync = [&] {
+    if (team != nullptr) team->sync();
+  };
+  const auto serial = [&](const auto& f) {  // f by one thread
+    if (lead) f();
+    sync();
+  };
+  const auto rows = [&](int64_t count, const auto& f) {  // f(r0, r1) over [0, count)
+    if (team == nullptr) return at::parallel_for(0, count, 4, f);
+    const auto [r0, r1] = team->share(count);
+    if (r1 > r0) f(r0, r1);
+    sync();
+  };
   for (int64_t l = 0; l < layers; ++l) {
     const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
     at::Tensor k_cache = k_caches[l];
@@ -411,23 +443,25 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     const bool local = window > 0 && (global_every == 0 || (l + 1) % global_every != 0);
     const float* cos_l = (local && local_cos.has_value() ? *local_cos : cos_table).data_ptr<float>();
     const float* sin_l = (local && local_sin.has_value() ? *local_sin : sin_table).data_ptr<float>();
-    edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    clock.lap(0);
+    serial([&] { edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data()); });
+    lap(0);
     if (split_v(l)) {  // Q and K, then V, each on its own weight, into QKV's rows
-      linear(w, l, 0, 1, x.data(), q_size + kv_size, hidden, qk.data());
-      gemm(v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, a8 ? a8_terms[4 * l] : 1, v_group[l], x.data(), kv_size,
-           hidden, v.data());
-      for (int64_t t = 0; t < m; ++t) {
-        std::copy_n(qk.data() + t * (q_size + kv_size), q_size + kv_size, qkv.data() + t * qkv_size);
-        std::copy_n(v.data() + t * kv_size, kv_size, qkv.data() + t * qkv_size + q_size + kv_size);
-      }
+      linear(team, w, l, 0, 1, x.data(), q_size + kv_size, hidden, qk.data());
+      gemm(team, v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, a8 ? a8_terms[4 * l] : 1, v_group[l], x.data(),
+           kv_size, hidden, v.data());
+      serial([&] {
+        for (int64_t t = 0; t < m; ++t) {
+          std::copy_n(qk.data() + t * (q_size + kv_size), q_size + kv_size, qkv.data() + t * qkv_size);
+          std::copy_n(v.data() + t * kv_size, kv_size, qkv.data() + t * qkv_size + q_size + kv_size);
+        }
+      });
     } else {
-      linear(w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
+      linear(team, w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
     }
-    clock.lap(1);
+    lap(1);
     // Tokens (and below, activation rows) in parallel; with RoPE vectorized, a 16-sequence step spends
     // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
-    at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
+    rows(m, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         float* row = qkv.data() + t * qkv_size;
         if (!qkv_biases.empty()) add_into(row, qkv_biases[l].data_ptr<float>(), qkv_size);
@@ -464,42 +498,53 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
         std::copy(row, row + q_size, q.data() + t * q_size);
       }
     });
-    clock.lap(2);
+    lap(2);
     const at::Tensor none;
     edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
                                     quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none, int4 ? v_zeros[l] : none,
                                     tables.data_ptr<int32_t>(), tables.size(1), len, m, num_heads,
                                     static_cast<float>(scale), attn.data(), local ? window : 0,
-                                    static_cast<float>(attn_softcap));
+                                    static_cast<float>(attn_softcap), team);
+    sync();
     if (quantized) {
-      at::parallel_for(0, m, 4, [&](int64_t t0, int64_t t1) {
+      rows(m, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
       });
     }
-    clock.lap(3);
-    linear(w, l, 1, 4, attn.data(), hidden, q_size, y.data());
-    clock.lap(4);
-    if (!out_norms.empty()) {  // Gemma's sandwich norms: each block's output normed before the residual
-      edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l].data_ptr<float>(), m, hidden, static_cast<float>(eps),
-                                   y.data());
-    }
-    add_into(hp, y.data(), m * hidden);
-    edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    clock.lap(5);
-    linear(w, l, 2, 8, x.data(), 2 * inter, hidden, gate_up.data());
-    clock.lap(6);
-    at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
+    lap(3);
+    linear(team, w, l, 1, 4, attn.data(), hidden, q_size, y.data());
+    lap(4);
+    serial([&] {
+      if (!out_norms.empty()) {  // Gemma's sandwich norms: each block's output normed before the residual
+        edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l].data_ptr<float>(), m, hidden, static_cast<float>(eps),
+                                     y.data());
+      }
+      add_into(hp, y.data(), m * hidden);
+      edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
+    });
+    lap(5);
+    linear(team, w, l, 2, 8, x.data(), 2 * inter, hidden, gate_up.data());
+    lap(6);
+    rows(m, [&](int64_t r0, int64_t r1) {
       (gelu ? act_mul<true> : act_mul<false>)(gate_up.data() + r0 * 2 * inter, r1 - r0, inter,
                                                act.data() + r0 * inter);
     });
-    clock.lap(7);
-    linear(w, l, 3, 11, act.data(), hidden, inter, y.data());
-    if (!out_norms.empty()) {
-      edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l + 1].data_ptr<float>(), m, hidden,
-                                   static_cast<float>(eps), y.data());
-    }
-    add_into(hp, y.data(), m * hidden);
-    clock.lap(8);
+    lap(7);
+    linear(team, w, l, 3, 11, act.data(), hidden, inter, y.data());
+    serial([&] {
+      if (!out_norms.empty()) {
+        edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l + 1].data_ptr<float>(), m, hidden,
+                                     static_cast<float>(eps), y.data());
+      }
+      add_into(hp, y.data(), m * hidden);
+    });
+    lap(8);
+  }
+  };
+  if (use_team) {
+    edgeinfer_cpu::run_team([&](const edgeinfer_cpu::Team& team) { run_layers(&team); });
+  } else {
+    run_layers(nullptr);
   }
 }
 

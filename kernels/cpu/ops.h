@@ -9,6 +9,8 @@
 
 namespace edgeinfer_cpu {
 
+class Team;  // parallel.h
+
 // quantized_gemm.cpp: y (M, N) = x (M, K) @ W.T, x rounded to int16 with a scale per 4 values;
 // W int4 (uint8 codes, mins) or int8 (int8 codes; mins undefined or empty: none; group 16 too).
 void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
@@ -21,6 +23,17 @@ void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const a
 void a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& wsum, int64_t n, int64_t k, const std::string& isa, float* y, int64_t terms = 1);
 
+// a8_gemm.cpp: TORCH_CHECKs that this CPU runs the a8 kernel `isa`.
+void a8_check_isa(const std::string& isa);
+
+// a8_gemm.cpp: a8_gemm_rows run by a team (parallel.h) inside its region, for fewer rows than the
+// AMX kernel takes: each thread quantizes x into its own buffers and writes its share of the
+// column tiles; returns once every share is written. Checks nothing (the caller checked the
+// weight with a8_group, which gave `group`, and the isa).
+void a8_gemm_team(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                  const at::Tensor& wsum, int64_t n, int64_t k, int64_t group, const std::string& isa, float* y,
+                  int64_t terms, const Team& team);
+
 // a8_gemm.cpp: the group size of a prepared a8 weight of N x K, TORCH_CHECKed.
 int64_t a8_group(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t k, const char* name);
 
@@ -31,12 +44,15 @@ void check_int4_weight(const at::Tensor& w, const at::Tensor& scales, const at::
 // rms_norm.cpp: out = x / sqrt(mean(x^2) + eps) * weight, row by row.
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t hidden, float eps, float* out);
 
-// attention.cpp: out (S, Hq, D) for q (S, Hq, D) over caches (blocks, block_size, Hkv, D): plain
+// attention.cpp (with `team`: run by every thread of a team inside its region, each its share of
+// the units and of the merge; returns before the last thread's share is written, so the caller
+// syncs before reading `out`): out (S, Hq, D) for q (S, Hq, D) over caches (blocks, block_size, Hkv, D): plain
 // (scales and zeros undefined), int8 with fp16 scales (blocks, block_size, Hkv), or int4 (two
 // codes a byte) with fp16 scales and zeros (blocks, block_size, Hkv, D / 32).
 void decode_attention(const float* q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_scale,
                       const at::Tensor& v_scale, const at::Tensor& k_zero, const at::Tensor& v_zero,
                       const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
-                      int64_t num_heads, float scale, float* out, int64_t window = 0, float softcap = 0.0f);
+                      int64_t num_heads, float scale, float* out, int64_t window = 0, float softcap = 0.0f,
+                      const Team* team = nullptr);
 
 }  // namespace edgeinfer_cpu

@@ -15,10 +15,13 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace edgeinfer_cpu {
 
@@ -42,6 +45,50 @@ void balanced_for(int64_t begin, int64_t end, int64_t min_chunk, const F& f) {
       }
     }
   });
+}
+
+// The threads of one parallel region that run a whole fused step together (decode_layers' team
+// for a few rows): each op takes its share by `tid` and the threads meet at `sync`, a spin
+// barrier, instead of a fork and join per op. At one row an op is ~5-30 us, and libgomp's fork
+// and join around it (two futex calls, and a worker that is sometimes late into the region)
+// left the second thread idle through much of the small GEMMs (docs/BENCHMARKS.md, "Where a
+// decode step's time goes"). Nothing run by a team may throw: a thread that left would leave
+// the others waiting at the barrier.
+class Team {
+ public:
+  Team(int64_t tid, int64_t n, std::atomic<int64_t>& arrived, std::atomic<int64_t>& phase, std::vector<float>& scratch)
+      : tid(tid), n(n), scratch(scratch), arrived_(arrived), phase_(phase) {}
+
+  // Every thread waits here until all n have arrived.
+  void sync() const {
+    const int64_t phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+    } else {
+      while (phase_.load(std::memory_order_acquire) == phase) _mm_pause();
+    }
+  }
+
+  // This thread's share [begin, end) of `count` items, in order.
+  std::pair<int64_t, int64_t> share(int64_t count) const { return {count * tid / n, count * (tid + 1) / n}; }
+
+  const int64_t tid, n;
+  std::vector<float>& scratch;  // shared by the team; resized by thread 0 between syncs
+
+ private:
+  std::atomic<int64_t>& arrived_;
+  std::atomic<int64_t>& phase_;
+};
+
+// f(team) on every thread of one OpenMP parallel region (at most at::get_num_threads() threads;
+// the team is the threads the runtime gave it).
+template <typename F>
+void run_team(const F& f) {
+  std::atomic<int64_t> arrived{0}, phase{0};
+  std::vector<float> scratch;
+#pragma omp parallel num_threads(at::get_num_threads())
+  f(Team(omp_get_thread_num(), omp_get_num_threads(), arrived, phase, scratch));
 }
 
 }  // namespace edgeinfer_cpu
