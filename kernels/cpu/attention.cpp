@@ -316,7 +316,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   // where a unit per KV head read a third of each cache line run and left the rest to be fetched
   // again by another unit. With fewer sequences than two per thread, contexts are cut into parts
   // whose partial softmaxes are merged after (flash decoding).
-  const int64_t want = 2 * at::get_num_threads();
+  const int64_t want = 2 * (team != nullptr ? team->n : at::get_num_threads());  // a team's threads agree on it
   int64_t max_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max<int64_t>(max_len, lens[s]);
   const int64_t parts =

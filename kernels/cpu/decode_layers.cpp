@@ -380,7 +380,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   // across its threads, which meet at spin barriers (parallel.h Team; docs/BENCHMARKS.md, "Where a
   // decode step's time goes": a one-row step's qkv, o and down GEMMs 6-50% shorter, the step
   // 3-22%). More rows: each op runs its own parallel region, its work claimed in chunks.
-  const bool use_team = a8 && m <= kTeamMaxRows && at::get_num_threads() > 1 &&
+  const int64_t threads = at::get_num_threads();
+  const bool use_team = a8 && m <= kTeamMaxRows && threads > 1 && threads <= edgeinfer_cpu::available_cpus() &&
                         std::none_of(bf16_row.begin(), bf16_row.end(), [](uint8_t b) { return b != 0; });
   if (use_team) edgeinfer_cpu::a8_check_isa(a8_isa);  // nothing may throw inside the team
   // y (m, n) = x @ W.T for the weight at w[at] (codes, scales, mins; a8: its wsum, its group).
