@@ -377,9 +377,11 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     std::copy_n(marks.data_ptr<bool>(), m, bf16_row.begin());
   }
   // A few a8 rows (no bf16 ones) run as a team: every layer in one parallel region, each op split
-  // across its threads, which meet at spin barriers (parallel.h Team; docs/BENCHMARKS.md, "Where a
-  // decode step's time goes": a one-row step's qkv, o and down GEMMs 6-50% shorter, the step
-  // 3-22%). More rows: each op runs its own parallel region, its work claimed in chunks.
+  // across its threads, which meet at spin barriers (parallel.h Team): a one-row step 0.5-16%
+  // shorter, four rows 6-11% (docs/BENCHMARKS.md, "A step of up to four rows as one team"). More
+  // rows: each op runs its own parallel region, its work claimed in chunks (robust to a core that
+  // another program slows). Only where the threads fit the cores: a team spins for a thread that
+  // is off its core.
   const int64_t threads = at::get_num_threads();
   const bool use_team = a8 && m <= kTeamMaxRows && threads > 1 && threads <= edgeinfer_cpu::available_cpus() &&
                         std::none_of(bf16_row.begin(), bf16_row.end(), [](uint8_t b) { return b != 0; });
@@ -388,7 +390,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   const auto gemm = [&](const edgeinfer_cpu::Team* team, const at::TensorList& w, int64_t at, const at::Tensor& wsum,
                         int64_t terms, int64_t group_size, const float* in, int64_t n, int64_t k, float* out) {
     if (team != nullptr) {
-      edgeinfer_cpu::a8_gemm_team(in, m, w[at], w[at + 1], w[at + 2], wsum, n, k, group_size, a8_isa, out, terms, *team);
+      edgeinfer_cpu::a8_gemm_team(in, m, w[at], w[at + 1], w[at + 2], wsum, n, k, group_size, a8_isa, out, terms,
+                                  *team);
     } else if (a8) {
       for (int64_t r0 = 0, r1 = 0; r0 < m; r0 = r1) {
         for (r1 = r0 + 1; r1 < m && bf16_row[r1] == bf16_row[r0];) ++r1;
@@ -418,129 +421,131 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   // Every layer, run by the calling thread (team null: each op parallel on its own) or by every
   // thread of a team (each op its share, then a sync).
   const auto run_layers = [&](const edgeinfer_cpu::Team* team) {
-  const bool lead = team == nullptr || team->tid == 0;
-  const auto lap = [&](int phase) {
-    if (lead) clock.lap(phase);
-  };
-  const auto sync = [&] {
-    if (team != nullptr) team->sync();
-  };
-  const auto serial = [&](const auto& f) {  // f by one thread
-    if (lead) f();
-    sync();
-  };
-  const auto rows = [&](int64_t count, const auto& f) {  // f(r0, r1) over [0, count)
-    if (team == nullptr) return at::parallel_for(0, count, 4, f);
-    const auto [r0, r1] = team->share(count);
-    if (r1 > r0) f(r0, r1);
-    sync();
-  };
-  for (int64_t l = 0; l < layers; ++l) {
-    const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
-    at::Tensor k_cache = k_caches[l];
-    at::Tensor v_cache = v_caches[l];
-    // Local layers (all of them without global_every; Gemma's global ones every global_every-th)
-    // attend within the window, with their own RoPE tables where given (Gemma 3).
-    const bool local = window > 0 && (global_every == 0 || (l + 1) % global_every != 0);
-    const float* cos_l = (local && local_cos.has_value() ? *local_cos : cos_table).data_ptr<float>();
-    const float* sin_l = (local && local_sin.has_value() ? *local_sin : sin_table).data_ptr<float>();
-    serial([&] { edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data()); });
-    lap(0);
-    if (split_v(l)) {  // Q and K, then V, each on its own weight, into QKV's rows
-      linear(team, w, l, 0, 1, x.data(), q_size + kv_size, hidden, qk.data());
-      gemm(team, v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, a8 ? a8_terms[4 * l] : 1, v_group[l], x.data(),
-           kv_size, hidden, v.data());
+    const bool lead = team == nullptr || team->tid == 0;
+    const auto lap = [&](int phase) {
+      if (lead) clock.lap(phase);
+    };
+    const auto sync = [&] {
+      if (team != nullptr) team->sync();
+    };
+    const auto serial = [&](const auto& f) {  // f by one thread
+      if (lead) f();
+      sync();
+    };
+    const auto rows = [&](int64_t count, const auto& f) {  // f(r0, r1) over [0, count)
+      if (team == nullptr) return at::parallel_for(0, count, 4, f);
+      const auto [r0, r1] = team->share(count);
+      if (r1 > r0) f(r0, r1);
+      sync();
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
+      at::Tensor k_cache = k_caches[l];
+      at::Tensor v_cache = v_caches[l];
+      // Local layers (all of them without global_every; Gemma's global ones every global_every-th)
+      // attend within the window, with their own RoPE tables where given (Gemma 3).
+      const bool local = window > 0 && (global_every == 0 || (l + 1) % global_every != 0);
+      const float* cos_l = (local && local_cos.has_value() ? *local_cos : cos_table).data_ptr<float>();
+      const float* sin_l = (local && local_sin.has_value() ? *local_sin : sin_table).data_ptr<float>();
       serial([&] {
-        for (int64_t t = 0; t < m; ++t) {
-          std::copy_n(qk.data() + t * (q_size + kv_size), q_size + kv_size, qkv.data() + t * qkv_size);
-          std::copy_n(v.data() + t * kv_size, kv_size, qkv.data() + t * qkv_size + q_size + kv_size);
-        }
+        edgeinfer_cpu::rms_norm_rows(hp, w[0].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
       });
-    } else {
-      linear(team, w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
-    }
-    lap(1);
-    // Tokens (and below, activation rows) in parallel; with RoPE vectorized, a 16-sequence step spends
-    // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
-    rows(m, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        float* row = qkv.data() + t * qkv_size;
-        if (!qkv_biases.empty()) add_into(row, qkv_biases[l].data_ptr<float>(), qkv_size);
-        if (!qk_norms.empty()) {  // in place: a row is read whole before it is written
-          edgeinfer_cpu::rms_norm_rows(row, qk_norms[2 * l].data_ptr<float>(), num_heads, head_dim,
-                                       static_cast<float>(eps), row);
-          edgeinfer_cpu::rms_norm_rows(row + q_size, qk_norms[2 * l + 1].data_ptr<float>(), num_kv_heads, head_dim,
-                                       static_cast<float>(eps), row + q_size);
-        }
-        rope(row, num_heads + num_kv_heads, head_dim, cos_l + pos[t] * head_dim, sin_l + pos[t] * head_dim);
-        if (quantized) {
-          float* keys = row + q_size;
-          if (key_centres.has_value()) {
-            const float* centre = key_centres->data_ptr<float>() + l * kv_size;
-            for (int64_t i = 0; i < kv_size; ++i) keys[i] -= centre[i];
+      lap(0);
+      if (split_v(l)) {  // Q and K, then V, each on its own weight, into QKV's rows
+        linear(team, w, l, 0, 1, x.data(), q_size + kv_size, hidden, qk.data());
+        gemm(team, v_weights, 4 * l, a8 ? v_weights[4 * l + 3] : no_wsum, a8 ? a8_terms[4 * l] : 1, v_group[l],
+             x.data(), kv_size, hidden, v.data());
+        serial([&] {
+          for (int64_t t = 0; t < m; ++t) {
+            std::copy_n(qk.data() + t * (q_size + kv_size), q_size + kv_size, qkv.data() + t * qkv_size);
+            std::copy_n(v.data() + t * kv_size, kv_size, qkv.data() + t * qkv_size + q_size + kv_size);
           }
-          rotate(row, num_heads + 2 * num_kv_heads, head_dim, rotation->data_ptr<float>());  // q, k and v
-          const int64_t at = slot[t] * num_kv_heads * params_per_head;  // the token's first scale
-          if (int8) {
-            quantize_int8(keys, num_kv_heads, head_dim, k_cache.data_ptr<int8_t>() + slot[t] * kv_size,
-                          k_scales[l].data_ptr<c10::Half>() + at);
-            quantize_int8(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<int8_t>() + slot[t] * kv_size,
-                          v_scales[l].data_ptr<c10::Half>() + at);
-          } else {
-            quantize_int4(keys, num_kv_heads, head_dim, k_cache.data_ptr<uint8_t>() + slot[t] * kv_size / 2,
-                          k_scales[l].data_ptr<c10::Half>() + at, k_zeros[l].data_ptr<c10::Half>() + at);
-            quantize_int4(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<uint8_t>() + slot[t] * kv_size / 2,
-                          v_scales[l].data_ptr<c10::Half>() + at, v_zeros[l].data_ptr<c10::Half>() + at);
-          }
-        } else {
-          write_kv(row + q_size, kv_size, k_cache, slot[t]);
-          write_kv(row + q_size + kv_size, kv_size, v_cache, slot[t]);
-        }
-        std::copy(row, row + q_size, q.data() + t * q_size);
+        });
+      } else {
+        linear(team, w, l, 0, 1, x.data(), qkv_size, hidden, qkv.data());
       }
-    });
-    lap(2);
-    const at::Tensor none;
-    edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
-                                    quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none, int4 ? v_zeros[l] : none,
-                                    tables.data_ptr<int32_t>(), tables.size(1), len, m, num_heads,
-                                    static_cast<float>(scale), attn.data(), local ? window : 0,
-                                    static_cast<float>(attn_softcap), team);
-    sync();
-    if (quantized) {
+      lap(1);
+      // Tokens (and below, activation rows) in parallel; with RoPE vectorized, a 16-sequence step spends
+      // 0.42 ms here and 0.27 in SiLU instead of 1.25 and 0.40.
       rows(m, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
+        for (int64_t t = t0; t < t1; ++t) {
+          float* row = qkv.data() + t * qkv_size;
+          if (!qkv_biases.empty()) add_into(row, qkv_biases[l].data_ptr<float>(), qkv_size);
+          if (!qk_norms.empty()) {  // in place: a row is read whole before it is written
+            edgeinfer_cpu::rms_norm_rows(row, qk_norms[2 * l].data_ptr<float>(), num_heads, head_dim,
+                                         static_cast<float>(eps), row);
+            edgeinfer_cpu::rms_norm_rows(row + q_size, qk_norms[2 * l + 1].data_ptr<float>(), num_kv_heads, head_dim,
+                                         static_cast<float>(eps), row + q_size);
+          }
+          rope(row, num_heads + num_kv_heads, head_dim, cos_l + pos[t] * head_dim, sin_l + pos[t] * head_dim);
+          if (quantized) {
+            float* keys = row + q_size;
+            if (key_centres.has_value()) {
+              const float* centre = key_centres->data_ptr<float>() + l * kv_size;
+              for (int64_t i = 0; i < kv_size; ++i) keys[i] -= centre[i];
+            }
+            rotate(row, num_heads + 2 * num_kv_heads, head_dim, rotation->data_ptr<float>());  // q, k and v
+            const int64_t at = slot[t] * num_kv_heads * params_per_head;  // the token's first scale
+            if (int8) {
+              quantize_int8(keys, num_kv_heads, head_dim, k_cache.data_ptr<int8_t>() + slot[t] * kv_size,
+                            k_scales[l].data_ptr<c10::Half>() + at);
+              quantize_int8(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<int8_t>() + slot[t] * kv_size,
+                            v_scales[l].data_ptr<c10::Half>() + at);
+            } else {
+              quantize_int4(keys, num_kv_heads, head_dim, k_cache.data_ptr<uint8_t>() + slot[t] * kv_size / 2,
+                            k_scales[l].data_ptr<c10::Half>() + at, k_zeros[l].data_ptr<c10::Half>() + at);
+              quantize_int4(keys + kv_size, num_kv_heads, head_dim, v_cache.data_ptr<uint8_t>() + slot[t] * kv_size / 2,
+                            v_scales[l].data_ptr<c10::Half>() + at, v_zeros[l].data_ptr<c10::Half>() + at);
+            }
+          } else {
+            write_kv(row + q_size, kv_size, k_cache, slot[t]);
+            write_kv(row + q_size + kv_size, kv_size, v_cache, slot[t]);
+          }
+          std::copy(row, row + q_size, q.data() + t * q_size);
+        }
       });
+      lap(2);
+      const at::Tensor none;
+      edgeinfer_cpu::decode_attention(q.data(), k_cache, v_cache, quantized ? k_scales[l] : none,
+                                      quantized ? v_scales[l] : none, int4 ? k_zeros[l] : none,
+                                      int4 ? v_zeros[l] : none, tables.data_ptr<int32_t>(), tables.size(1), len, m,
+                                      num_heads, static_cast<float>(scale), attn.data(), local ? window : 0,
+                                      static_cast<float>(attn_softcap), team);
+      sync();
+      if (quantized) {
+        rows(m, [&](int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t) rotate(attn.data() + t * q_size, num_heads, head_dim, rot_t.data());
+        });
+      }
+      lap(3);
+      linear(team, w, l, 1, 4, attn.data(), hidden, q_size, y.data());
+      lap(4);
+      serial([&] {
+        if (!out_norms.empty()) {  // Gemma's sandwich norms: each block's output normed before the residual
+          edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l].data_ptr<float>(), m, hidden, static_cast<float>(eps),
+                                       y.data());
+        }
+        add_into(hp, y.data(), m * hidden);
+        edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
+      });
+      lap(5);
+      linear(team, w, l, 2, 8, x.data(), 2 * inter, hidden, gate_up.data());
+      lap(6);
+      rows(m, [&](int64_t r0, int64_t r1) {
+        (gelu ? act_mul<true> : act_mul<false>)(gate_up.data() + r0 * 2 * inter, r1 - r0, inter,
+                                                 act.data() + r0 * inter);
+      });
+      lap(7);
+      linear(team, w, l, 3, 11, act.data(), hidden, inter, y.data());
+      serial([&] {
+        if (!out_norms.empty()) {
+          edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l + 1].data_ptr<float>(), m, hidden,
+                                       static_cast<float>(eps), y.data());
+        }
+        add_into(hp, y.data(), m * hidden);
+      });
+      lap(8);
     }
-    lap(3);
-    linear(team, w, l, 1, 4, attn.data(), hidden, q_size, y.data());
-    lap(4);
-    serial([&] {
-      if (!out_norms.empty()) {  // Gemma's sandwich norms: each block's output normed before the residual
-        edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l].data_ptr<float>(), m, hidden, static_cast<float>(eps),
-                                     y.data());
-      }
-      add_into(hp, y.data(), m * hidden);
-      edgeinfer_cpu::rms_norm_rows(hp, w[7].data_ptr<float>(), m, hidden, static_cast<float>(eps), x.data());
-    });
-    lap(5);
-    linear(team, w, l, 2, 8, x.data(), 2 * inter, hidden, gate_up.data());
-    lap(6);
-    rows(m, [&](int64_t r0, int64_t r1) {
-      (gelu ? act_mul<true> : act_mul<false>)(gate_up.data() + r0 * 2 * inter, r1 - r0, inter,
-                                               act.data() + r0 * inter);
-    });
-    lap(7);
-    linear(team, w, l, 3, 11, act.data(), hidden, inter, y.data());
-    serial([&] {
-      if (!out_norms.empty()) {
-        edgeinfer_cpu::rms_norm_rows(y.data(), out_norms[2 * l + 1].data_ptr<float>(), m, hidden,
-                                     static_cast<float>(eps), y.data());
-      }
-      add_into(hp, y.data(), m * hidden);
-    });
-    lap(8);
-  }
   };
   if (use_team) {
     edgeinfer_cpu::run_team([&](const edgeinfer_cpu::Team& team) { run_layers(&team); });
