@@ -1,4 +1,6 @@
-// Work split over the compute threads by chunks that each thread claims as it finishes the last.
+// Work split over the compute threads: by chunks that each thread claims as it finishes the last
+// (balanced_for, below), or, for a step of a few rows, by fixed shares of a team whose threads
+// meet at spin barriers (Team, run_team, at the end).
 //
 // at::parallel_for gives each thread one contiguous share, decided up front: on a machine whose
 // cores are shared (a desktop beside other programs, a virtual machine whose host steals time)
@@ -23,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace edgeinfer_cpu {
