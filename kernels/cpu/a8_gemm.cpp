@@ -249,6 +249,28 @@ void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int64_t un
   }
 }
 
+// The kernels' problem: the prepared weight (mins and wsum undefined where unused) and x quantized
+// into `b`, for y (m, n).
+A8Problem problem(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& wsum,
+                  const XBuffers& b, float* y, int64_t m, int64_t n, int64_t k, int64_t group, int64_t terms) {
+  return {static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
+          mins.defined() ? mins.data_ptr() : nullptr, wsum.defined() ? wsum.data_ptr<int16_t>() : nullptr,
+          reinterpret_cast<const uint8_t*>(b.codes), b.scale, b.gsum, y, m, n, k, group, terms,
+          codes.scalar_type() == at::kByte, scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
+}
+
+// The VNNI kernels read int8 x as uint8 x + 128 (and start from -128 x the weight's code sums).
+bool reads_offset_x(bool int4, const std::string& kernel_isa) {
+  return !int4 && (kernel_isa == "avx512vnni" || kernel_isa == "avxvnni");
+}
+
+// The kernel that runs `isa`'s GEMM of m rows: fewer rows than kAmxMinRows leave much of a 16-row
+// tile idle, and the weight read, not the arithmetic, bounds them: the AVX512-VNNI kernel runs
+// those.
+std::string run_isa(const std::string& isa, int64_t m, int64_t terms) {
+  return isa == "amx" && m < kAmxMinRows[terms - 1] ? "avx512vnni" : isa;
+}
+
 Kernel column_kernel(const std::string& isa) {
   return isa == "avx512vnni" ? edgeinfer_cpu::a8_columns_avx512vnni
          : isa == "avxvnni"  ? edgeinfer_cpu::a8_columns_avxvnni
@@ -299,12 +321,12 @@ int64_t edgeinfer_cpu::a8_group(const at::Tensor& codes, const at::Tensor& scale
   return group;
 }
 
-void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
-                                 const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k,
-                                 const std::string& isa, float* y, int64_t terms) {
-  a8_check_isa(isa);
+int64_t edgeinfer_cpu::a8_check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                                const at::Tensor& wsum, int64_t m, int64_t n, int64_t k, const std::string& isa,
+                                int64_t terms, const char* name) {
+  TORCH_CHECK(isa_supported(isa), "this CPU cannot run the ", isa, " kernel");
   TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2, got ", terms);
-  const int64_t group = a8_group(codes, scales, n, k, "w");
+  const int64_t group = a8_group(codes, scales, n, k, name);
   const bool int4 = codes.scalar_type() == at::kByte;
   const bool has_mins = mins.defined() && mins.numel() > 0;
   TORCH_CHECK(!int4 || has_mins, "int4 weights need mins");
@@ -313,21 +335,33 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
               "mins must be shaped like the scales, in their dtype");
   if (isa == "amx_bf16") {
     TORCH_CHECK(terms == 1, "bf16 activations are one term, got ", terms);
+    return group;
+  }
+  const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
+  TORCH_CHECK(!reads_offset_x(int4, run_isa(isa, m, terms)) ||
+                  (wsum.defined() && wsum.scalar_type() == at::kShort && wsum.is_contiguous() &&
+                   wsum.numel() == tiles * (k / std::min(group, kA8Unit)) * kA8Cols),
+              "int8 weights need wsum, int16 (tiles, K / min(group, 32), 16)");
+  return group;
+}
+
+void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
+                                 const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k,
+                                 const std::string& isa, float* y, int64_t terms) {
+  const int64_t group = a8_check(codes, scales, mins, wsum, m, n, k, isa, terms, "w");
+  const bool int4 = codes.scalar_type() == at::kByte;
+  const bool has_mins = mins.defined() && mins.numel() > 0;
+  if (isa == "amx_bf16") {
     if (m > 0 && n > 0) bf16_rows(x, m, codes, scales, has_mins ? mins : at::Tensor(), n, k, group, int4, y);
     return;
   }
   const int64_t rows = m * terms;  // the kernels' rows of codes: with two terms each row's work is doubled
-  // Fewer rows than kAmxMinRows leave much of a 16-row tile idle, and the weight read, not the
-  // arithmetic, bounds them: the AVX512-VNNI kernel runs those.
-  const bool on_amx = isa == "amx" && m >= kAmxMinRows[terms - 1];
-  const std::string run_isa = isa == "amx" && !on_amx ? "avx512vnni" : isa;
-  const bool offset_x = !int4 && (run_isa == "avx512vnni" || run_isa == "avxvnni");  // they read int8 x + 128 (uint8)
+  const std::string run = run_isa(isa, m, terms);
+  const bool on_amx = run == "amx";
+  const bool offset_x = reads_offset_x(int4, run);
   const int64_t unit = std::min(group, kA8Unit);
   const int64_t units = k / unit;
   const int64_t tiles = (n + kA8Cols - 1) / kA8Cols;
-  TORCH_CHECK(!offset_x || (wsum.defined() && wsum.scalar_type() == at::kShort && wsum.is_contiguous() &&
-                            wsum.numel() == tiles * units * kA8Cols),
-              "int8 weights need wsum, int16 (tiles, K / min(group, 32), 16)");
   if (m == 0 || n == 0) return;
   const int64_t groups = k / group;
   // The AMX kernel reads whole 16-row blocks: the padding rows' codes and scales are left as the
@@ -340,40 +374,32 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
   at::parallel_for(0, m, 4, [&](int64_t r0, int64_t r1) {
     quantize_rows(x, r0, r1, k, unit, group, terms, offset_x, b);
   });
-  const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
-                    has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
-                    reinterpret_cast<const uint8_t*>(b.codes), b.scale, b.gsum, y, m, n, k, group, terms, int4,
-                    scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
+  const A8Problem p = problem(codes, scales, has_mins ? mins : at::Tensor(), offset_x ? wsum : at::Tensor(), b, y, m,
+                              n, k, group, terms);
   if (on_amx) {  // the scratch holds an int4 tile unpacked: K x 16 bytes per term
     over_tiles(tiles, rows, k, terms * k * kA8Cols,
                [&](int64_t t0, int64_t t1, uint8_t* scratch) { a8_columns_amx(p, t0, t1, scratch); });
     return;
   }
-  const Kernel kernel = column_kernel(run_isa);
+  const Kernel kernel = column_kernel(run);
   over_tiles(tiles, rows, k, 0, [&](int64_t t0, int64_t t1, uint8_t*) { kernel(p, t0, t1); });
-}
-
-void edgeinfer_cpu::a8_check_isa(const std::string& isa) {
-  TORCH_CHECK(isa_supported(isa), "this CPU cannot run the ", isa, " kernel");
 }
 
 void edgeinfer_cpu::a8_gemm_team(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
                                  const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k, int64_t group,
                                  const std::string& isa, float* y, int64_t terms, const Team& team) {
-  // Below kAmxMinRows, as every team's rows are: "amx" runs its AVX512-VNNI kernel (a8_gemm_rows).
-  const std::string run_isa = isa == "amx" ? "avx512vnni" : isa;
+  // A team's few rows are below kAmxMinRows: "amx" runs its AVX512-VNNI kernel.
+  const std::string run = run_isa(isa, m, terms);
   const bool int4 = codes.scalar_type() == at::kByte;
   const bool has_mins = mins.defined() && mins.numel() > 0;
-  const bool offset_x = !int4 && (run_isa == "avx512vnni" || run_isa == "avxvnni");
+  const bool offset_x = reads_offset_x(int4, run);
   const int64_t unit = std::min(group, kA8Unit);
   const XBuffers b = thread_buffers(m, terms, k, k / unit, k / group, has_mins);  // this thread's own
   quantize_rows(x, 0, m, k, unit, group, terms, offset_x, b);
-  const A8Problem p{static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr(),
-                    has_mins ? mins.data_ptr() : nullptr, offset_x ? wsum.data_ptr<int16_t>() : nullptr,
-                    reinterpret_cast<const uint8_t*>(b.codes), b.scale, b.gsum, y, m, n, k, group, terms, int4,
-                    scales.scalar_type() == at::kHalf, scales.scalar_type() == at::kByte};
+  const A8Problem p = problem(codes, scales, has_mins ? mins : at::Tensor(), offset_x ? wsum : at::Tensor(), b, y, m,
+                              n, k, group, terms);
   const auto [t0, t1] = team.share((n + kA8Cols - 1) / kA8Cols);
-  if (t1 > t0) column_kernel(run_isa)(p, t0, t1);
+  if (t1 > t0) column_kernel(run)(p, t0, t1);
   team.sync();
 }
 

@@ -338,14 +338,18 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     TORCH_CHECK(w[0].numel() == hidden && w[7].numel() == hidden && w[0].scalar_type() == at::kFloat &&
                     w[7].scalar_type() == at::kFloat && w[0].is_contiguous() && w[7].is_contiguous(),
                 "norm weights must be contiguous fp32 (hidden,)");
-    const auto check = a8 ? [](const at::TensorList& v, int64_t at, int64_t n, int64_t k, const char* name) {
-      return edgeinfer_cpu::a8_group(v[at], v[at + 1], n, k, name);
-    } : linear_group;
-    group[4 * l] = check(w, 1, split_v(l) ? q_size + kv_size : qkv_size, hidden, "qkv");
-    if (split_v(l)) v_group[l] = check(v_weights, 4 * l, kv_size, hidden, "v");
-    group[4 * l + 1] = check(w, 4, hidden, q_size, "o");
-    group[4 * l + 2] = check(w, 8, 2 * inter, hidden, "gate_up");
-    group[4 * l + 3] = check(w, 11, hidden, inter, "down");
+    // a8: everything its GEMMs check, here before any of them runs (a team's may not throw).
+    const auto check = [&](const at::TensorList& v, int64_t at, int64_t j, const at::Tensor& wsum, int64_t n, int64_t k,
+                           const char* name) {
+      return a8 ? edgeinfer_cpu::a8_check(v[at], v[at + 1], v[at + 2], wsum, m, n, k, a8_isa, a8_terms[4 * l + j], name)
+                : linear_group(v, at, n, k, name);
+    };
+    const auto wsum = [&](int64_t j) { return a8 ? a8_wsums[4 * l + j] : at::Tensor(); };
+    group[4 * l] = check(w, 1, 0, wsum(0), split_v(l) ? q_size + kv_size : qkv_size, hidden, "qkv");
+    if (split_v(l)) v_group[l] = check(v_weights, 4 * l, 0, v_weights[4 * l + 3], kv_size, hidden, "v");
+    group[4 * l + 1] = check(w, 4, 1, wsum(1), hidden, q_size, "o");
+    group[4 * l + 2] = check(w, 8, 2, wsum(2), 2 * inter, hidden, "gate_up");
+    group[4 * l + 3] = check(w, 11, 3, wsum(3), hidden, inter, "down");
   }
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
@@ -385,7 +389,6 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   const int64_t threads = at::get_num_threads();
   const bool use_team = a8 && m <= kTeamMaxRows && threads > 1 && threads <= edgeinfer_cpu::available_cpus() &&
                         std::none_of(bf16_row.begin(), bf16_row.end(), [](uint8_t b) { return b != 0; });
-  if (use_team) edgeinfer_cpu::a8_check_isa(a8_isa);  // nothing may throw inside the team
   // y (m, n) = x @ W.T for the weight at w[at] (codes, scales, mins; a8: its wsum, its group).
   const auto gemm = [&](const edgeinfer_cpu::Team* team, const at::TensorList& w, int64_t at, const at::Tensor& wsum,
                         int64_t terms, int64_t group_size, const float* in, int64_t n, int64_t k, float* out) {

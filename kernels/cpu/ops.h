@@ -23,13 +23,15 @@ void quantized_gemm_rows(const float* x, int64_t m, const at::Tensor& w, const a
 void a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& wsum, int64_t n, int64_t k, const std::string& isa, float* y, int64_t terms = 1);
 
-// a8_gemm.cpp: TORCH_CHECKs that this CPU runs the a8 kernel `isa`.
-void a8_check_isa(const std::string& isa);
+// a8_gemm.cpp: TORCH_CHECKs what a8_gemm_rows checks for an m-row GEMM on this weight (the CPU
+// runs `isa`, the tiles, mins and wsum fit N x K; messages name the weight `name`); its group.
+int64_t a8_check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& wsum,
+                 int64_t m, int64_t n, int64_t k, const std::string& isa, int64_t terms, const char* name);
 
 // a8_gemm.cpp: a8_gemm_rows run by a team (parallel.h) inside its region, for fewer rows than the
 // AMX kernel takes: each thread quantizes x into its own buffers and writes its share of the
 // column tiles; returns once every share is written. Checks nothing (the caller checked the
-// weight with a8_group, which gave `group`, and the isa).
+// weight with a8_check, which gave `group`).
 void a8_gemm_team(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& wsum, int64_t n, int64_t k, int64_t group, const std::string& isa, float* y,
                   int64_t terms, const Team& team);
