@@ -22,6 +22,8 @@ The ops and their references:
 - ``row_topk`` and ``sample_rows`` (sampling.cpp): each row's k largest values (torch.topk is
   the reference), and a step's token draw from processed logits (edgeinfer.worker.sampler's
   torch path is the reference).
+- ``refine_logits`` (refine_logits.cpp): an int4 head's best logits recomputed from their exact
+  rows (torch's einsum and scatter_ are the reference).
 - ``decode_layers`` (decode_layers.cpp): all transformer layers of a decode step in one call,
   through the ops above; edgeinfer.models.llama's per-op forward is its reference.
 """
@@ -161,6 +163,12 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     x (B, V), largest first, the lower index first among equal values up to k = 128 (torch's order
     above), NaN above every number (as torch.topk)."""
     return torch.ops.edgeinfer_cpu.row_topk(x, k)
+
+
+def refine_logits(logits: torch.Tensor, h: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[l, ids[l, r]] = h[l] . rows[l * R + r] for fp32 logits (L, V), fp32 h
+    (L, hidden), int64 ids (L, R) and fp32 rows (L * R, hidden), each contiguous."""
+    torch.ops.edgeinfer_cpu.refine_logits(logits, h, ids, rows)
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, top_k: torch.Tensor,

@@ -19,8 +19,10 @@
    (tools/bench_weight_stream.py's reference read), both at the fastest tenth. With --phases,
    where the fused step's time goes (the op's own clocks, kernels.cpu_ops.DECODE_PHASES: its
    layers' norms, each GEMM, RoPE and the K/V writes, attention, the activation), summed over the
-   layers, per step (the mean over the timed steps), and each GEMM's weight read rate: the rest of
-   the forward is the embedding, the final norm and the head.
+   layers, per step (the mean over the timed steps), and each GEMM's weight read rate; then the
+   rest of the decode_layers call (its arguments, checks and parallel region), the head (from the
+   final norm's output to the logits: the coarse GEMM, its top rows and their exact refinement)
+   and the rest of the forward (the embedding, the final norm, the arguments' lists).
 3. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
    and built on the main thread but run on a second one: the effect
@@ -62,9 +64,9 @@ from kernels import cpu_a8, cpu_ops  # noqa: E402
 
 
 def timed(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(*args: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         record.append(time.perf_counter() - start)
         return out
     return wrapper
@@ -137,6 +139,11 @@ def forward_only(rows: int, context: int, repeats: int,
     model = build_model(load_model(str(default_model_path())),
                         RuntimeConfig(cpu_activations=cpu_activations, num_threads=threads))
     phase_ns = torch.zeros(len(cpu_ops.DECODE_PHASES), dtype=torch.int64) if phases else None
+    calls: list[float] = []  # the decode_layers calls, then the heads; the timed steps' are the last
+    heads: list[float] = []
+    if phases:
+        model._head = timed(heads, model._head)
+        cpu_ops.decode_layers = timed(calls, cpu_ops.decode_layers)
     with torch.inference_mode():
         times = decode_times(model, model.config, rows, context, repeats, phase_ns)
     fast = fastest_tenth(times)
@@ -144,7 +151,8 @@ def forward_only(rows: int, context: int, repeats: int,
           f"{torch.get_num_threads()} thread(s), {repeats} steps: "
           f"fastest tenth {fast * 1e3:.2f} ms, median {statistics.median(times) * 1e3:.2f} ms")
     if phase_ns is not None:
-        print_phases(model, phase_ns / repeats / 1e3, statistics.mean(times) * 1e6)
+        print_phases(model, phase_ns / repeats / 1e3, statistics.mean(times) * 1e6,
+                     statistics.mean(calls[-repeats:]) * 1e6, statistics.mean(heads[-repeats:]) * 1e6)
     a8 = [w.kernel for w in (*model.weights.linears(), model.weights.head) if isinstance(w.kernel, cpu_a8.A8Weight)]
     if a8 and not any(w.bf16 for w in a8):
         from bench_weight_stream import sum_rates
@@ -159,19 +167,25 @@ def forward_only(rows: int, context: int, repeats: int,
               f"{nbytes / fast / 1e9:.1f} GB/s, {nbytes / fast / 1e9 / max(sum_rates(3)):.0%} of torch's sum")
 
 
-def print_phases(model: Any, us: torch.Tensor, step_us: float) -> None:
+def print_phases(model: Any, us: torch.Tensor, step_us: float, call_us: float, head_us: float) -> None:
     """The fused step's phases (``us``: microseconds a step, cpu_ops.DECODE_PHASES' order) beside
-    the mean step, each GEMM with its layers' weight bytes as a read rate."""
+    the mean step, each GEMM with its layers' weight bytes as a read rate; then the rest of the
+    decode_layers call (``call_us`` a step: its arguments, checks and parallel region) and the head
+    (``head_us``: the final norm's output to logits, the refinement included)."""
     layers = model.weights.layers
     gemm_bytes = {"qkv": sum(_nbytes(layer.qkv) + _nbytes(layer.v) for layer in layers),
                   "o": sum(_nbytes(layer.o) for layer in layers),
                   "gate/up": sum(_nbytes(layer.gate_up) for layer in layers),
                   "down + residual": sum(_nbytes(layer.down) for layer in layers)}
-    print(f"  fused step phases, us a step (mean step {step_us:.0f} us; the rest: embedding, final norm, head):")
+    print(f"  fused step phases, us a step (mean step {step_us:.0f} us):")
     for name, value in zip(cpu_ops.DECODE_PHASES, us.tolist(), strict=True):
         rate = f"  {gemm_bytes[name] / value / 1e3:5.1f} GB/s of weights" if name in gemm_bytes and value else ""
         print(f"    {name:>16} {value:8.0f} us {value / step_us:5.1%}{rate}")
-    print(f"    {'all layers':>16} {us.sum().item():8.0f} us {us.sum().item() / step_us:5.1%}")
+    layers_us = us.sum().item()
+    print(f"    {'all layers':>16} {layers_us:8.0f} us {layers_us / step_us:5.1%}")
+    for name, value in (("rest of the call", call_us - layers_us), ("head", head_us),
+                        ("rest of forward", step_us - call_us - head_us)):
+        print(f"    {name:>16} {value:8.0f} us {value / step_us:5.1%}")
 
 
 def _nbytes(linear: Any) -> int:

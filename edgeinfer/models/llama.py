@@ -318,9 +318,11 @@ class LlamaModel(LlamaLayers):
         if self.weights.head_exact is not None:
             k = min(HEAD_REFINE_ROWS, logits.shape[-1])
             top = (cpu_ops.row_topk(logits, k) if self.backend.cpu_ops else logits.topk(k, dim=-1))[1]  # (L, R)
-            rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows).view(*top.shape, -1)
-            exact = torch.einsum("lh,lrh->lr", h.float(), rows)  # rows (L, R, hidden)
-            logits.scatter_(-1, top, exact)
+            rows = weight_rows(self.weights.head_exact, top.flatten(), self._read_rows)  # (L * R, hidden)
+            if self.backend.cpu_ops:
+                cpu_ops.refine_logits(logits, h.float().contiguous(), top, rows)
+            else:
+                logits.scatter_(-1, top, torch.einsum("lh,lrh->lr", h.float(), rows.view(*top.shape, -1)))
         cap = self.config.spec.final_softcap  # monotonic: the refined rows stay the best
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -161,6 +161,26 @@ def test_rms_norm_matches_torch(rows, hidden):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_rows,per_row,hidden", [(1, 64, 576), (3, 5, 37), (2, 7, 8)])
+def test_refine_logits_matches_einsum_and_scatter(num_rows, per_row, hidden):
+    gen = torch.Generator().manual_seed(hidden + per_row)
+    logits = torch.randn(num_rows, 101, generator=gen)
+    h = torch.randn(num_rows, hidden, generator=gen) + 0.3
+    ids = torch.stack([torch.randperm(101, generator=gen)[:per_row] for _ in range(num_rows)])
+    rows = torch.randn(num_rows * per_row, hidden, generator=gen) * 0.1
+    want = logits.clone().scatter_(-1, ids, torch.einsum("lh,lrh->lr", h, rows.view(num_rows, per_row, hidden)))
+    cpu_ops.refine_logits(logits, h, ids, rows)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_refine_logits_errors_name_the_problem():
+    logits, h, rows = torch.zeros(1, 10), torch.ones(1, 8), torch.ones(2, 8)
+    with pytest.raises(IndexError, match="id 10 is outside"):
+        cpu_ops.refine_logits(logits, h, torch.tensor([[3, 10]]), rows)
+    with pytest.raises(RuntimeError, match="rows must be contiguous fp32"):
+        cpu_ops.refine_logits(logits, h, torch.tensor([[3, 4]]), torch.ones(3, 8))
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("head_dim,group", [(64, 3), (40, 2), (8, 1)])
 # Few sequences with long contexts are split into context parts and merged; [1, 200] leaves the
