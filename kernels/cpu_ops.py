@@ -205,49 +205,60 @@ DECODE_PHASES = ("input norm", "qkv", "rope + kv write", "attention", "o", "resi
                  "down + residual")
 
 
-def decode_layers(h: torch.Tensor, weights: list[torch.Tensor], cos: torch.Tensor,
-                  signed_sin: torch.Tensor, positions: torch.Tensor, k_caches: list[torch.Tensor],
-                  v_caches: list[torch.Tensor], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, num_heads: int, scale: float, eps: float,
-                  k_scales: Sequence[torch.Tensor] = (), v_scales: Sequence[torch.Tensor] = (),
-                  k_zeros: Sequence[torch.Tensor] = (), v_zeros: Sequence[torch.Tensor] = (),
-                  rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None,
-                  a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "", a8_terms: Sequence[int] = (),
-                  a8_bf16_rows: torch.Tensor | None = None, qkv_biases: Sequence[torch.Tensor] = (),
-                  qk_norms: Sequence[torch.Tensor] = (), out_norms: Sequence[torch.Tensor] = (), window: int = 0,
-                  global_every: int = 0, local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  activation: str = "silu", attn_softcap: float = 0.0, v_weights: Sequence[torch.Tensor] = (),
-                  phase_ns: torch.Tensor | None = None) -> None:
-    """Run every layer of a decode step on h (M, hidden) fp32 in place, writing each layer's K/V
-    into its cache: plain, or quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` /
-    ``v_scales``, int4 also with ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and
-    keys less ``key_centres`` (layers, Hkv, D) first.
+def decode_setup(weights: list[torch.Tensor], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 num_heads: int, scale: float, eps: float,
+                 k_scales: Sequence[torch.Tensor] = (), v_scales: Sequence[torch.Tensor] = (),
+                 k_zeros: Sequence[torch.Tensor] = (), v_zeros: Sequence[torch.Tensor] = (),
+                 rotation: torch.Tensor | None = None, key_centres: torch.Tensor | None = None,
+                 a8_wsums: Sequence[torch.Tensor] = (), a8_isa: str = "", a8_terms: Sequence[int] = (),
+                 qkv_biases: Sequence[torch.Tensor] = (), qk_norms: Sequence[torch.Tensor] = (),
+                 out_norms: Sequence[torch.Tensor] = (), window: int = 0, global_every: int = 0,
+                 activation: str = "silu", attn_softcap: float = 0.0,
+                 v_weights: Sequence[torch.Tensor] = ()) -> torch.ScriptObject:
+    """What ``decode_layers`` keeps from step to step for a model over one KV pool, checked once
+    here (a RuntimeError names what is wrong): its weights, the pool's caches and the architecture's
+    constants. It holds the tensors; their contents may change (the caches are written by every
+    step), not the tensors themselves. Why one object: passed per step, ~700 tensors cost ~220 us a
+    one-row step to convert (decode_layers.cpp, DecodeSetup).
     ``weights``: 14 per layer (``decode_layer_weights``): the input norm, (codes, scales, mins) of
     QKV and of the output projection, the post-attention norm, then (codes, scales, mins) of gate/up
     and of down, each linear int4 or int8 with the group size its scales imply, or, with ``a8_isa``
     (kernels.cpu_a8.ISAS), every linear a cpu_a8 weight run with int8 activations on that kernel,
     its wsum in ``a8_wsums`` (``decode_layer_wsums``), its activations in as many int8 terms as
-    ``a8_terms`` gives it (``decode_layer_terms``; kernels.cpu_a8.a8_linear), except the rows
-    ``a8_bf16_rows`` ((M,) bool) marks, which run in bf16 on AMX-BF16; ``qkv_biases`` (one fp32
-    ((Hq + 2 Hkv) * D,) per layer, added to QKV) and ``qk_norms`` (q's and k's fp32 (D,) RMSNorm weights
-    per layer, over each head before RoPE) and ``out_norms`` (Gemma's sandwich norms: the
-    attention's and the MLP's output norm weights per layer), where the architecture has them;
-    ``window``: the sliding window of local layers (a query attends to itself and the window - 1
-    tokens before it; 0: none), every layer local unless ``global_every`` makes each global_every-th
-    global; ``local_rope``: local layers' own (cos, signed_sin) tables (Gemma 3); ``activation``:
-    "silu" or "gelu_tanh"; ``attn_softcap``: scores -> cap * tanh(scores / cap) before the softmax
-    (Gemma 2; 0: none); ``v_weights``: none, or four per layer (``decode_layer_v``): V's own weight
-    where it comes in another format than Q's and K's, the layer's QKV weight then holding Q and K
-    only; ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the sine's first half
-    negated; ``phase_ns``: None, or a (len(DECODE_PHASES),) int64 tensor each phase's wall time
-    in nanoseconds is added into, summed over the layers."""
-    torch.ops.edgeinfer_cpu.decode_layers(h, weights, cos, signed_sin, positions, k_caches, v_caches,
-                                          slot_mapping, block_tables, context_lens, num_heads, scale, eps,
-                                          list(k_scales), list(v_scales), list(k_zeros), list(v_zeros), rotation,
-                                          key_centres, list(a8_wsums), a8_isa, list(a8_terms), a8_bf16_rows,
-                                          list(qkv_biases), list(qk_norms), list(out_norms), window,
-                                          global_every, *(local_rope or (None, None)), activation, attn_softcap,
-                                          list(v_weights), phase_ns)
+    ``a8_terms`` gives it (``decode_layer_terms``; kernels.cpu_a8.a8_linear); caches plain, or
+    quantized (kernels.kv_pool's layouts: int8 with ``k_scales`` / ``v_scales``, int4 also with
+    ``k_zeros`` / ``v_zeros``), K and V rotated by ``rotation`` and keys less ``key_centres``
+    (layers, Hkv, D) first; ``qkv_biases`` (one fp32 ((Hq + 2 Hkv) * D,) per layer, added to QKV)
+    and ``qk_norms`` (q's and k's fp32 (D,) RMSNorm weights per layer, over each head before RoPE)
+    and ``out_norms`` (Gemma's sandwich norms: the attention's and the MLP's output norm weights
+    per layer), where the architecture has them; ``window``: the sliding window of local layers (a
+    query attends to itself and the window - 1 tokens before it; 0: none), every layer local
+    unless ``global_every`` makes each global_every-th global; ``activation``: "silu" or
+    "gelu_tanh"; ``attn_softcap``: scores -> cap * tanh(scores / cap) before the softmax (Gemma 2;
+    0: none); ``v_weights``: none, or four per layer (``decode_layer_v``): V's own weight where it
+    comes in another format than Q's and K's, the layer's QKV weight then holding Q and K only."""
+    return torch.classes.edgeinfer_cpu.DecodeSetup(
+        list(weights), list(k_caches), list(v_caches), num_heads, scale, eps, list(k_scales), list(v_scales),
+        list(k_zeros), list(v_zeros), rotation, key_centres, list(a8_wsums), a8_isa, [int(t) for t in a8_terms],
+        list(qkv_biases), list(qk_norms), list(out_norms), window, global_every, activation, attn_softcap,
+        list(v_weights))
+
+
+def decode_layers(h: torch.Tensor, setup: torch.ScriptObject, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, a8_bf16_rows: torch.Tensor | None = None,
+                  local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  phase_ns: torch.Tensor | None = None) -> None:
+    """Run every layer of ``setup`` (``decode_setup``) on h (M, hidden) fp32 in place, writing
+    each layer's K/V into its caches: token t at ``positions[t]`` into pool slot
+    ``slot_mapping[t]``, attending over the first ``context_lens[t]`` slots of its sequence through
+    row t of ``block_tables``. ``cos`` / ``signed_sin``: (max_position, head_dim) RoPE tables, the
+    sine's first half negated; ``local_rope``: local layers' own (cos, signed_sin) tables (Gemma 3);
+    ``a8_bf16_rows``: (M,) bool, rows whose a8 linears run in bf16 on AMX-BF16; ``phase_ns``: None,
+    or a (len(DECODE_PHASES),) int64 tensor each phase's wall time in nanoseconds is added into,
+    summed over the layers."""
+    torch.ops.edgeinfer_cpu.decode_layers(h, setup, cos, signed_sin, positions, slot_mapping, block_tables,
+                                          context_lens, a8_bf16_rows, *(local_rope or (None, None)), phase_ns)
 
 
 FusedLinear = CpuInt4Weight | QuantizedTensor | A8Weight  # a prepare_int4, prepare_int8 or cpu_a8 weight

@@ -19,6 +19,7 @@ context.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -290,6 +291,9 @@ class LlamaModel(LlamaLayers):
                           for w in (layer.q_norm, layer.k_norm)]
         self._out_norms = [w for layer in prepared.layers if layer.attn_out_norm is not None
                            for w in (layer.attn_out_norm, layer.mlp_out_norm)]
+        # Per KV pool its fused steps ran over: (the key centres it was made with, its decode setup).
+        self._decode_setups: weakref.WeakKeyDictionary[KVPool, tuple[torch.Tensor | None, torch.ScriptObject]] = \
+            weakref.WeakKeyDictionary()
         # A (len(cpu_ops.DECODE_PHASES),) int64 tensor the fused steps add their phases' times into
         # (tools/bench_engine_step.py forward --phases); None: not timed.
         self.phase_ns: torch.Tensor | None = None
@@ -326,33 +330,41 @@ class LlamaModel(LlamaLayers):
         cap = self.config.spec.final_softcap  # monotonic: the refined rows stay the best
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _fused_step(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
+    def _decode_setup(self, kv: KVPool) -> torch.ScriptObject:
+        """The fused step's setup over ``kv`` (cpu_ops.decode_setup), made on the pool's first step
+        and again once the key centres change."""
+        made = self._decode_setups.get(kv)
+        if made is not None and made[0] is self.key_centres:
+            return made[1]
         c = self.config
-        h = self.embed_tokens(token_ids).contiguous()
-        quantized = kv.k_dtype not in PLAIN_DTYPES  # then K and V both (FUSED_KV_DTYPES)
         params = {}
-        if quantized:
+        if kv.k_dtype not in PLAIN_DTYPES:  # then K and V both (FUSED_KV_DTYPES)
             params = {"k_scales": [cache.scale for cache in kv.k_caches],
                       "v_scales": [cache.scale for cache in kv.v_caches],
                       "rotation": self._kv_rotation, "key_centres": self.key_centres}
         if kv.k_dtype == "int4":
             params |= {"k_zeros": [cache.zero for cache in kv.k_caches],
                        "v_zeros": [cache.zero for cache in kv.v_caches]}
+        setup = cpu_ops.decode_setup(
+            self.weights.fused, [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches],
+            c.num_heads, self._scale, c.rms_norm_eps, **params, a8_wsums=self.weights.fused_wsums,
+            a8_isa=self._a8_isa if self.weights.fused_wsums else "", a8_terms=self.weights.fused_terms,
+            qkv_biases=self._qkv_biases, qk_norms=self._qk_norms, out_norms=self._out_norms,
+            window=c.spec.sliding_window or 0, global_every=c.spec.global_every, activation=c.spec.activation,
+            attn_softcap=c.spec.attn_softcap or 0.0, v_weights=self.weights.fused_v,
+        )
+        self._decode_setups[kv] = (self.key_centres, setup)
+        return setup
+
+    def _fused_step(self, token_ids: torch.Tensor, batch: BatchMeta, kv: KVPool) -> torch.Tensor:
+        h = self.embed_tokens(token_ids).contiguous()
         tables, context_lens = batch.block_tables, batch.context_lens
         if not batch.is_decode:  # a row per token: its sequence's table, causal up to its position
             tables = tables.repeat_interleave(batch.query_start_loc.diff(), dim=0)
             context_lens = batch.positions + 1
-        cpu_ops.decode_layers(
-            h, self.weights.fused, self._cos, self._sin, batch.positions,
-            [cache.data for cache in kv.k_caches], [cache.data for cache in kv.v_caches], batch.slot_mapping,
-            tables, context_lens, c.num_heads, self._scale, c.rms_norm_eps, **params,
-            a8_wsums=self.weights.fused_wsums, a8_isa=self._a8_isa if self.weights.fused_wsums else "",
-            a8_terms=self.weights.fused_terms,
-            a8_bf16_rows=self._bf16_rows(batch), qkv_biases=self._qkv_biases, qk_norms=self._qk_norms,
-            out_norms=self._out_norms, window=c.spec.sliding_window or 0, global_every=c.spec.global_every,
-            local_rope=self._local_rope, activation=c.spec.activation, attn_softcap=c.spec.attn_softcap or 0.0,
-            v_weights=self.weights.fused_v, phase_ns=self.phase_ns,
-        )
+        cpu_ops.decode_layers(h, self._decode_setup(kv), self._cos, self._sin, batch.positions, batch.slot_mapping,
+                              tables, context_lens, a8_bf16_rows=self._bf16_rows(batch), local_rope=self._local_rope,
+                              phase_ns=self.phase_ns)
         return self._head(self._rms_norm(h[batch.logits_indices], self.weights.norm), batch)
 
     @torch.inference_mode()

@@ -27,12 +27,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -212,31 +214,70 @@ int64_t linear_group(const at::TensorList& w, int64_t at, int64_t n, int64_t k, 
   return group;
 }
 
-void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_table,
-                   const at::Tensor& sin_table, const at::Tensor& positions_in, at::TensorList k_caches,
-                   at::TensorList v_caches, const at::Tensor& slot_mapping_in, const at::Tensor& block_tables_in,
-                   const at::Tensor& context_lens_in, int64_t num_heads, double scale, double eps,
-                   at::TensorList k_scales, at::TensorList v_scales, at::TensorList k_zeros, at::TensorList v_zeros,
-                   const c10::optional<at::Tensor>& rotation, const c10::optional<at::Tensor>& key_centres,
-                   at::TensorList a8_wsums, const std::string& a8_isa, at::IntArrayRef a8_terms,
-                   const c10::optional<at::Tensor>& a8_bf16_rows, at::TensorList qkv_biases,
-                   at::TensorList qk_norms, at::TensorList out_norms, int64_t window, int64_t global_every,
-                   const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
-                   const std::string& activation, double attn_softcap, at::TensorList v_weights,
-                   const c10::optional<at::Tensor>& phase_ns) {
-  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(), "h must be contiguous fp32 (M, hidden)");
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
+// What a model's fused steps over one KV pool keep from step to step, checked once when made
+// (kernels.cpu_ops.decode_setup): the layers' weights, the pool's caches and the architecture's
+// constants (see decode_layers). Why a holder rather than the op's arguments: they are ~700
+// tensors, whose Python objects a step has pushed out of the CPU caches by the time the next step
+// converts them, ~220 us a call on the test machine (~65 us when they are cached), a twentieth of
+// a one-row step.
+struct DecodeSetup : torch::CustomClassHolder {
+  DecodeSetup(std::vector<at::Tensor> weights, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+              int64_t num_heads, double scale, double eps, std::vector<at::Tensor> k_scales,
+              std::vector<at::Tensor> v_scales, std::vector<at::Tensor> k_zeros, std::vector<at::Tensor> v_zeros,
+              c10::optional<at::Tensor> rotation, c10::optional<at::Tensor> key_centres,
+              std::vector<at::Tensor> a8_wsums, std::string a8_isa, std::vector<int64_t> a8_terms,
+              std::vector<at::Tensor> qkv_biases, std::vector<at::Tensor> qk_norms, std::vector<at::Tensor> out_norms,
+              int64_t window, int64_t global_every, std::string activation, double attn_softcap,
+              std::vector<at::Tensor> v_weights)
+      : weights(std::move(weights)), k_caches(std::move(k_caches)), v_caches(std::move(v_caches)),
+        k_scales(std::move(k_scales)), v_scales(std::move(v_scales)), k_zeros(std::move(k_zeros)),
+        v_zeros(std::move(v_zeros)), a8_wsums(std::move(a8_wsums)), qkv_biases(std::move(qkv_biases)),
+        qk_norms(std::move(qk_norms)), out_norms(std::move(out_norms)), v_weights(std::move(v_weights)),
+        rotation(std::move(rotation)), key_centres(std::move(key_centres)), a8_terms(std::move(a8_terms)),
+        a8_isa(std::move(a8_isa)), activation(std::move(activation)), num_heads(num_heads), window(window),
+        global_every(global_every), scale(scale), eps(eps), attn_softcap(attn_softcap) {
+    check();
+  }
+
+  // Whether layer l's V has its own weight (v_weights) beside QKV's Q and K.
+  bool split_v(int64_t l) const { return !v_weights.empty() && v_weights[4 * l].numel() > 0; }
+
+  const std::vector<at::Tensor> weights, k_caches, v_caches, k_scales, v_scales, k_zeros, v_zeros, a8_wsums,
+      qkv_biases, qk_norms, out_norms, v_weights;
+  const c10::optional<at::Tensor> rotation, key_centres;
+  const std::vector<int64_t> a8_terms;
+  const std::string a8_isa, activation;
+  const int64_t num_heads, window, global_every;
+  const double scale, eps, attn_softcap;
+  // Derived by check().
+  int64_t layers = 0, hidden = 0, num_kv_heads = 0, head_dim = 0, q_size = 0, kv_size = 0, qkv_size = 0, inter = 0;
+  int64_t params_per_head = 1;  // a quantized cache's scales (and int4 zeros) per token and head
+  bool int8 = false, int4 = false, quantized = false, a8 = false;
+  std::vector<float> rot_t;  // the KV rotation transposed: turns a quantized cache's attention output back
+  std::vector<int64_t> group, v_group;  // per layer: qkv's, o's, gate_up's and down's group size; V's apart
+
+ private:
+  void check();
+};
+
+// Row counts a setup's a8 weights are checked for: one (the VNNI kernels) and many (AMX, where
+// the CPU has it, which reads no code sums).
+constexpr int64_t kManyRows = int64_t{1} << 20;
+
+void DecodeSetup::check() {
+  layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == kPerLayer * layers,
               "need ", kPerLayer, " weights and one K and V cache per layer");
-  const int64_t m = h.size(0), hidden = h.size(1);
+  TORCH_CHECK(weights[0].dim() == 1, "the first weight must be layer 0's input norm (hidden,)");
+  hidden = weights[0].numel();
   const at::Tensor& k0 = k_caches[0];
   TORCH_CHECK(k0.dim() == 4, "caches must be (blocks, block_size, Hkv, D)");
-  const bool int8 = k0.scalar_type() == at::kChar, int4 = k0.scalar_type() == at::kByte;  // int4: two codes a byte
+  int8 = k0.scalar_type() == at::kChar, int4 = k0.scalar_type() == at::kByte;  // int4: two codes a byte
   TORCH_CHECK(int8 || int4 || k0.scalar_type() == at::kFloat || k0.scalar_type() == at::kBFloat16 ||
                   k0.scalar_type() == at::kHalf,  // checked here: the writes run in a parallel region
               "caches must be fp32, bf16, fp16, int8 or int4 (uint8), got ", k0.scalar_type());
-  const int64_t num_kv_heads = k0.size(2), head_dim = int4 ? 2 * k0.size(3) : k0.size(3);
+  num_kv_heads = k0.size(2), head_dim = int4 ? 2 * k0.size(3) : k0.size(3);
   TORCH_CHECK(head_dim % 8 == 0 && head_dim <= 512 && num_heads % num_kv_heads == 0,
               "head_dim must be a multiple of 8 (<= 512) and Hq a multiple of Hkv");
   for (int64_t l = 0; l < layers; ++l) {
@@ -248,9 +289,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   }
   // Quantized caches: K and V rotated (and keys centred, where measured) before they are
   // quantized, q rotated alike and the attention output turned back, as the per-op forward does.
-  const bool quantized = int8 || int4;
-  const int64_t params_per_head = int4 ? head_dim / 32 : 1;  // scales (and int4 zeros) per token and head
-  std::vector<float> rot_t;
+  quantized = int8 || int4;
+  params_per_head = int4 ? head_dim / 32 : 1;
   if (quantized) {
     TORCH_CHECK(!int4 || head_dim % 32 == 0, "int4 caches need head_dim a multiple of 32");
     const size_t n = static_cast<size_t>(layers);
@@ -259,7 +299,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
                 "quantized caches need one K and one V scale tensor per layer (int4: and zeros)");
     const int64_t want = k0.size(0) * k0.size(1) * num_kv_heads * params_per_head;
     for (int64_t l = 0; l < layers; ++l) {
-      for (const at::TensorList& list : {k_scales, v_scales, k_zeros, v_zeros}) {
+      for (const at::TensorList list : {at::TensorList(k_scales), at::TensorList(v_scales), at::TensorList(k_zeros),
+                                         at::TensorList(v_zeros)}) {
         if (list.empty()) continue;
         TORCH_CHECK(list[l].scalar_type() == at::kHalf && list[l].is_contiguous() && list[l].numel() == want,
                     "cache scales (and zeros) must be contiguous fp16, ", params_per_head, " per token and head");
@@ -281,8 +322,8 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     TORCH_CHECK(k_scales.empty() && v_scales.empty() && k_zeros.empty() && v_zeros.empty(),
                 "plain caches take no scales");
   }
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const int64_t qkv_size = q_size + 2 * kv_size;
+  q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  qkv_size = q_size + 2 * kv_size;
   // Qwen 2's q/k/v biases (added to the projection), q/k norms (RMSNorm over each head's q and
   // k, before RoPE), Gemma's output norms, windows and activation, as the per-op forward applies them.
   TORCH_CHECK(window >= 0 && global_every >= 0 && attn_softcap >= 0,
@@ -292,16 +333,9 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   TORCH_CHECK(out_norms.empty() || static_cast<int64_t>(out_norms.size()) == 2 * layers,
               "out_norms: none or two per layer (the attention's and the MLP's output norms)");
   for (const at::Tensor& w : out_norms) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == h.size(1),
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == hidden,
                 "output norm weights must be contiguous fp32 (hidden,)");
   }
-  TORCH_CHECK(local_cos.has_value() == local_sin.has_value() &&
-                  (!local_cos.has_value() || (local_cos->sizes() == cos_table.sizes() &&
-                                              local_sin->sizes() == cos_table.sizes() &&
-                                              local_cos->scalar_type() == at::kFloat &&
-                                              local_sin->scalar_type() == at::kFloat &&
-                                              local_cos->is_contiguous() && local_sin->is_contiguous())),
-              "local RoPE tables: both or neither, contiguous fp32 shaped as the global ones");
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
               "qkv_biases: none or one per layer");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
@@ -316,10 +350,9 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   }
   // a8: the linears are kernels.cpu_a8 tiles (codes, scales, mins or empty; wsum in a8_wsums)
   // run with int8 activations on the a8_isa kernel; the intermediate size is then down's K.
-  const bool a8 = !a8_isa.empty();
+  a8 = !a8_isa.empty();
   const at::Tensor& down_codes = weights[11];
-  const int64_t inter = !a8 ? weights[8].size(0) / 2
-                        : down_codes.size(1) * (down_codes.scalar_type() == at::kByte ? 32 : 4);
+  inter = !a8 ? weights[8].size(0) / 2 : down_codes.size(1) * (down_codes.scalar_type() == at::kByte ? 32 : 4);
   TORCH_CHECK(!a8 || static_cast<int64_t>(a8_wsums.size()) == 4 * layers,
               "a8 linears need one wsum tensor (empty for int4) per linear");
   TORCH_CHECK(!a8 || static_cast<int64_t>(a8_terms.size()) == 4 * layers,
@@ -331,18 +364,21 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
   // codes: that layer's QKV weight holds V.
   TORCH_CHECK(v_weights.empty() || static_cast<int64_t>(v_weights.size()) == 4 * layers,
               "v_weights: none or four per layer (codes, scales, mins, wsum)");
-  const auto split_v = [&](int64_t l) { return !v_weights.empty() && v_weights[4 * l].numel() > 0; };
-  std::vector<int64_t> group(4 * layers), v_group(layers);  // per layer: qkv, o, gate_up, down; V apart
+  group.resize(4 * layers);
+  v_group.resize(layers);
   for (int64_t l = 0; l < layers; ++l) {
-    const at::TensorList w = weights.slice(l * kPerLayer, kPerLayer);
+    const at::TensorList w = at::TensorList(weights).slice(l * kPerLayer, kPerLayer);
     TORCH_CHECK(w[0].numel() == hidden && w[7].numel() == hidden && w[0].scalar_type() == at::kFloat &&
                     w[7].scalar_type() == at::kFloat && w[0].is_contiguous() && w[7].is_contiguous(),
                 "norm weights must be contiguous fp32 (hidden,)");
-    // a8: everything its GEMMs check, here before any of them runs (a team's may not throw).
+    // a8: everything its GEMMs check, here before any of them runs (a team's may not throw), for
+    // one row and for many (the kernel, hence what it reads, follows the row count).
     const auto check = [&](const at::TensorList& v, int64_t at, int64_t j, const at::Tensor& wsum, int64_t n, int64_t k,
                            const char* name) {
-      return a8 ? edgeinfer_cpu::a8_check(v[at], v[at + 1], v[at + 2], wsum, m, n, k, a8_isa, a8_terms[4 * l + j], name)
-                : linear_group(v, at, n, k, name);
+      if (!a8) return linear_group(v, at, n, k, name);
+      edgeinfer_cpu::a8_check(v[at], v[at + 1], v[at + 2], wsum, 1, n, k, a8_isa, a8_terms[4 * l + j], name);
+      return edgeinfer_cpu::a8_check(v[at], v[at + 1], v[at + 2], wsum, kManyRows, n, k, a8_isa, a8_terms[4 * l + j],
+                                     name);
     };
     const auto wsum = [&](int64_t j) { return a8 ? a8_wsums[4 * l + j] : at::Tensor(); };
     group[4 * l] = check(w, 1, 0, wsum(0), split_v(l) ? q_size + kv_size : qkv_size, hidden, "qkv");
@@ -351,6 +387,44 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
     group[4 * l + 2] = check(w, 8, 2, wsum(2), 2 * inter, hidden, "gate_up");
     group[4 * l + 3] = check(w, 11, 3, wsum(3), hidden, inter, "down");
   }
+}
+
+void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeSetup>& setup, const at::Tensor& cos_table,
+                   const at::Tensor& sin_table, const at::Tensor& positions_in, const at::Tensor& slot_mapping_in,
+                   const at::Tensor& block_tables_in, const at::Tensor& context_lens_in,
+                   const c10::optional<at::Tensor>& a8_bf16_rows, const c10::optional<at::Tensor>& local_cos,
+                   const c10::optional<at::Tensor>& local_sin, const c10::optional<at::Tensor>& phase_ns) {
+  const DecodeSetup& s = *setup;
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous() && h.size(1) == s.hidden,
+              "h must be contiguous fp32 (M, ", s.hidden, ")");
+  TORCH_CHECK(local_cos.has_value() == local_sin.has_value() &&
+                  (!local_cos.has_value() || (local_cos->sizes() == cos_table.sizes() &&
+                                              local_sin->sizes() == cos_table.sizes() &&
+                                              local_cos->scalar_type() == at::kFloat &&
+                                              local_sin->scalar_type() == at::kFloat &&
+                                              local_cos->is_contiguous() && local_sin->is_contiguous())),
+              "local RoPE tables: both or neither, contiguous fp32 shaped as the global ones");
+  // The setup's fields under the names the step reads them by.
+  const at::TensorList weights = s.weights, k_caches = s.k_caches, v_caches = s.v_caches, k_scales = s.k_scales,
+                       v_scales = s.v_scales, k_zeros = s.k_zeros, a8_wsums = s.a8_wsums, qkv_biases = s.qkv_biases,
+                       v_zeros = s.v_zeros, qk_norms = s.qk_norms, out_norms = s.out_norms,
+                       v_weights = s.v_weights;
+  const c10::optional<at::Tensor>& rotation = s.rotation;
+  const c10::optional<at::Tensor>& key_centres = s.key_centres;
+  const std::vector<int64_t>& a8_terms = s.a8_terms;
+  const std::vector<int64_t>& group = s.group;
+  const std::vector<int64_t>& v_group = s.v_group;
+  const std::vector<float>& rot_t = s.rot_t;
+  const std::string& a8_isa = s.a8_isa;
+  const std::string& activation = s.activation;
+  const int64_t m = h.size(0), layers = s.layers, hidden = s.hidden, num_heads = s.num_heads,
+                num_kv_heads = s.num_kv_heads, head_dim = s.head_dim, params_per_head = s.params_per_head,
+                q_size = s.q_size, kv_size = s.kv_size, qkv_size = s.qkv_size, inter = s.inter, window = s.window,
+                global_every = s.global_every;
+  const double scale = s.scale, eps = s.eps, attn_softcap = s.attn_softcap;
+  const bool int8 = s.int8, int4 = s.int4, quantized = s.quantized, a8 = s.a8;
+  const auto split_v = [&](int64_t l) { return s.split_v(l); };
+  const at::Tensor& k0 = k_caches[0];
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables_in.to(at::kInt).contiguous();
@@ -560,13 +634,17 @@ void decode_layers(at::Tensor h, at::TensorList weights, const at::Tensor& cos_t
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
-  m.def("decode_layers(Tensor(a!) h, Tensor[] weights, Tensor cos, Tensor signed_sin, "
-        "Tensor positions, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, float scale, float eps, Tensor[] k_scales, Tensor[] v_scales, "
-        "Tensor[] k_zeros, Tensor[] v_zeros, Tensor? rotation, Tensor? key_centres, Tensor[] a8_wsums, str a8_isa, int[] a8_terms, "
-        "Tensor? a8_bf16_rows=None, Tensor[] qkv_biases, Tensor[] qk_norms, Tensor[] out_norms, int window=0, int global_every=0, "
-        "Tensor? local_cos=None, Tensor? local_sin=None, str activation=\"silu\", float attn_softcap=0.0, "
-        "Tensor[] v_weights, Tensor(d!)? phase_ns=None) -> ()");
+  m.class_<DecodeSetup>("DecodeSetup")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, double, double,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                       std::vector<at::Tensor>, std::string, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, std::string, double,
+                       std::vector<at::Tensor>>());
+  // The caches the setup holds are written (not declared here: they are not arguments).
+  m.def("decode_layers(Tensor(a!) h, __torch__.torch.classes.edgeinfer_cpu.DecodeSetup setup, Tensor cos, "
+        "Tensor signed_sin, Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+        "Tensor? a8_bf16_rows=None, Tensor? local_cos=None, Tensor? local_sin=None, Tensor(d!)? phase_ns=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import time
 
 import pytest
@@ -273,28 +274,38 @@ def test_decode_layers_errors_name_the_problem(model: LlamaModel) -> None:
     k = [cache.data for cache in pool.k_caches]
     v = [cache.data for cache in pool.v_caches]
 
-    def run(weights=model.weights.fused, positions=batch.positions, slots=batch.slot_mapping, k_caches=k,
-            v_caches=v, **int8):
-        cpu_ops.decode_layers(h, weights, model._cos, model._sin, positions, k_caches, v_caches, slots,
-                              batch.block_tables, batch.context_lens, c.num_heads, 0.1, 1e-5, **int8)
+    def setup(weights=model.weights.fused, k_caches=k, v_caches=v, **int8):
+        return cpu_ops.decode_setup(weights, k_caches, v_caches, c.num_heads, 0.1, 1e-5, **int8)
 
+    def run(positions=batch.positions, slots=batch.slot_mapping, x=h, **kwargs):
+        cpu_ops.decode_layers(x, setup(), model._cos, model._sin, positions, slots, batch.block_tables,
+                              batch.context_lens, **kwargs)
+
+    # The setup's checks, once when it is made
     with pytest.raises(RuntimeError, match="14 weights"):
-        run(weights=model.weights.fused[:-1])
+        setup(weights=model.weights.fused[:-1])
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        setup(k_caches=[k[0].half()] + k[1:])
+    codes = [t.to(torch.int8) for t in k]
+    with pytest.raises(RuntimeError, match="one K and one V scale tensor per layer"):
+        setup(k_caches=codes, v_caches=codes)
+    scales = [torch.ones(t.shape[:3], dtype=torch.float16) for t in k]
+    with pytest.raises(RuntimeError, match="KV rotation"):
+        setup(k_caches=codes, v_caches=codes, k_scales=scales, v_scales=scales)
+    with pytest.raises(RuntimeError, match="plain caches take no scales"):
+        setup(k_scales=scales, v_scales=scales)
+    with pytest.raises(RuntimeError, match="activation must be silu or gelu_tanh, got relu"):
+        setup(activation="relu")
+    # and a step's, every call
     with pytest.raises(RuntimeError, match="outside the KV pool"):
         run(slots=torch.tensor([4 * BLOCK]))
     assert model._cos.shape[0] == c.max_position  # (the tables never pass the context)
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         run(positions=torch.tensor([c.max_position]))
-    with pytest.raises(RuntimeError, match="one shape and dtype"):
-        run(k_caches=[k[0].half()] + k[1:])
-    codes = [t.to(torch.int8) for t in k]
-    with pytest.raises(RuntimeError, match="one K and one V scale tensor per layer"):
-        run(k_caches=codes, v_caches=codes)
-    scales = [torch.ones(t.shape[:3], dtype=torch.float16) for t in k]
-    with pytest.raises(RuntimeError, match="KV rotation"):
-        run(k_caches=codes, v_caches=codes, k_scales=scales, v_scales=scales)
-    with pytest.raises(RuntimeError, match="plain caches take no scales"):
-        run(k_scales=scales, v_scales=scales)
+    with pytest.raises(RuntimeError, match=rf"h must be contiguous fp32 \(M, {c.hidden_size}\)"):
+        run(x=h[:, :-1].contiguous())
+    with pytest.raises(RuntimeError, match="local RoPE tables"):
+        run(local_rope=(model._cos, model._sin[:-1]))
     with pytest.raises(RuntimeError, match="phase_ns must be a contiguous int64 tensor of 9"):
         run(phase_ns=torch.zeros(len(cpu_ops.DECODE_PHASES) - 1, dtype=torch.int64))
     run()  # the same call with good arguments goes through
@@ -359,6 +370,24 @@ def test_a_plain_pool_that_asks_for_the_kv_transform_takes_the_per_op_forward(mo
     assert model.runs_fused(1, pools[0])
     assert not model.runs_fused(1, pools[1])  # the C++ step rotates quantized caches only
 
+
+def test_a_pool_keeps_its_decode_setup_until_the_key_centres_change(model: LlamaModel,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The setup (weights, caches, constants, checked once) is made on a pool's first fused step,
+    reused by the next ones, made again when calibration replaces the key centres it holds, and
+    let go with the pool."""
+    c = model.config
+    pools = [KVPool(c.num_layers, 4, BLOCK, c.num_kv_heads, c.head_dim, "int8", "int8") for _ in range(2)]
+    before = len(model._decode_setups)  # other tests' pools, where still alive
+    first = model._decode_setup(pools[0])
+    assert model._decode_setup(pools[0]) is first
+    assert model._decode_setup(pools[1]) is not first
+    monkeypatch.setattr(model, "key_centres", torch.zeros(c.num_layers, c.num_kv_heads, c.head_dim))
+    assert model._decode_setup(pools[0]) is not first
+    assert len(model._decode_setups) == before + 2
+    del pools
+    gc.collect()
+    assert len(model._decode_setups) == before
 
 def test_an_observer_takes_the_per_op_forward(model: LlamaModel, per_op: LlamaModel) -> None:
     """The fused step has nowhere to show activations: a forward with an observer (calibration)
