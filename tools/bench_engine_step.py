@@ -194,8 +194,8 @@ def _nbytes(linear: Any) -> int:
 
 
 def a8_isa(rows: int, terms: int) -> str:
-    """The instruction set the a8 op runs for this many rows of x (kernels/cpu/a8_gemm.cpp's
-    kAmxMinRows: AMX from 16 one-term or 12 two-term rows, the best of the others below)."""
+    """The instruction set the a8 op runs for this many rows of x (kernels/cpu/ops.h's
+    kA8AmxMinRows: AMX from 16 one-term or 12 two-term rows, the best of the others below)."""
     isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
     if isas[0] == "amx" and rows < (16 if terms == 1 else 12):
         return isas[1]

@@ -45,16 +45,12 @@ using edgeinfer_cpu::A8Problem;
 using edgeinfer_cpu::kA8Cols;
 using edgeinfer_cpu::kA8Unit;
 using edgeinfer_cpu::kA8AmxBlock;
+using edgeinfer_cpu::kA8AmxMinRows;
 using edgeinfer_cpu::a8_columns_amx_bf16;
 using edgeinfer_cpu::a8_rows_to_bf16;
 
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
-// AMX from 16 rows of x with one term (a full 16-row block), 12 with two: its blocks then hold
-// 16 rows of x, both terms each (a8_gemm_amx.cpp), so at 8 rows half of every multiply would be
-// padding; at 12 AMX took 133-138 us against AVX512-VNNI's 151-165 on the default model's MLP
-// shapes, at 16 136-141 against 199-214 (tools/bench_int8_gemm.py --terms 2, docs/BENCHMARKS.md).
-constexpr int64_t kAmxMinRows[] = {16, 12};
 
 // Not every compiler's __builtin_cpu_supports knows "f16c": CPUID leaf 1 says.
 bool f16c() {
@@ -264,11 +260,11 @@ bool reads_offset_x(bool int4, const std::string& kernel_isa) {
   return !int4 && (kernel_isa == "avx512vnni" || kernel_isa == "avxvnni");
 }
 
-// The kernel that runs `isa`'s GEMM of m rows: fewer rows than kAmxMinRows leave much of a 16-row
+// The kernel that runs `isa`'s GEMM of m rows: fewer rows than kA8AmxMinRows leave much of a 16-row
 // tile idle, and the weight read, not the arithmetic, bounds them: the AVX512-VNNI kernel runs
 // those.
 std::string run_isa(const std::string& isa, int64_t m, int64_t terms) {
-  return isa == "amx" && m < kAmxMinRows[terms - 1] ? "avx512vnni" : isa;
+  return isa == "amx" && m < kA8AmxMinRows[terms - 1] ? "avx512vnni" : isa;
 }
 
 Kernel column_kernel(const std::string& isa) {
@@ -388,7 +384,7 @@ void edgeinfer_cpu::a8_gemm_rows(const float* x, int64_t m, const at::Tensor& co
 void edgeinfer_cpu::a8_gemm_team(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales,
                                  const at::Tensor& mins, const at::Tensor& wsum, int64_t n, int64_t k, int64_t group,
                                  const std::string& isa, float* y, int64_t terms, const Team& team) {
-  // A team's few rows are below kAmxMinRows: "amx" runs its AVX512-VNNI kernel.
+  // A team's few rows are below kA8AmxMinRows: "amx" runs its AVX512-VNNI kernel.
   const std::string run = run_isa(isa, m, terms);
   const bool int4 = codes.scalar_type() == at::kByte;
   const bool has_mins = mins.defined() && mins.numel() > 0;

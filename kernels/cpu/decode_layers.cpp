@@ -68,6 +68,8 @@ class PhaseClock {
 };
 
 constexpr int64_t kTeamMaxRows = 4;  // steps of up to this many rows run as a team (see use_team)
+static_assert(kTeamMaxRows < edgeinfer_cpu::kA8AmxMinRows[0] && kTeamMaxRows < edgeinfer_cpu::kA8AmxMinRows[1],
+              "a team's GEMMs (a8_gemm_team) run below the AMX kernel's rows");
 constexpr int64_t kPerLayer = 14;  // input_norm, qkv (w, scales, mins), o (3), post_norm, gate_up (3), down (3)
 
 // RoPE in place on `heads` vectors of head_dim at x for one token.

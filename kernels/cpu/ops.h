@@ -28,10 +28,19 @@ void a8_gemm_rows(const float* x, int64_t m, const at::Tensor& codes, const at::
 int64_t a8_check(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, const at::Tensor& wsum,
                  int64_t m, int64_t n, int64_t k, const std::string& isa, int64_t terms, const char* name);
 
-// a8_gemm.cpp: a8_gemm_rows run by a team (parallel.h) inside its region, for fewer rows than the
-// AMX kernel takes: each thread quantizes x into its own buffers and writes its share of the
-// column tiles; returns once every share is written. Checks nothing (the caller checked the
-// weight with a8_check, which gave `group`).
+// The fewest rows of x (by terms - 1: one or two int8 terms) the a8 GEMMs run on AMX, where the
+// CPU has it; fewer run its AVX512-VNNI kernel. AMX from 16 rows of x with one term (a full 16-row
+// block), 12 with two: its blocks then hold 16 rows of x, both terms each (a8_gemm_amx.cpp), so at
+// 8 rows half of every multiply would be padding; at 12 AMX took 133-138 us against AVX512-VNNI's
+// 151-165 on the default model's MLP shapes, at 16 136-141 against 199-214
+// (tools/bench_int8_gemm.py --terms 2, docs/BENCHMARKS.md).
+inline constexpr int64_t kA8AmxMinRows[] = {16, 12};
+
+// a8_gemm.cpp: a8_gemm_rows run by a team (parallel.h) inside its region, for fewer rows than
+// kA8AmxMinRows (the AMX kernel needs a scratch the team does not give it): each thread
+// quantizes x into its own buffers and writes its share of the column tiles; returns once every
+// share is written. Checks nothing (the caller checked the weight with a8_check, which gave
+// `group`).
 void a8_gemm_team(const float* x, int64_t m, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const at::Tensor& wsum, int64_t n, int64_t k, int64_t group, const std::string& isa, float* y,
                   int64_t terms, const Team& team);
