@@ -167,10 +167,12 @@ at::Tensor read_rows(int64_t fd, int64_t offset, int64_t num_rows, int64_t k, in
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < num_rows, "row id ", id[i], " is outside [0, ", num_rows, ")");
   }
-  // A batch's refined rows (64 per sequence) split over threads: pread costs ~1.2 us a row here.
+  // Rows split over threads from 32 (one sequence's 64 refined head rows: two halves): a pread
+  // costs ~1.2 us a row here, ~1.8 after a decode step; 64 rows after a step took 108-136 us on
+  // one thread, 66-109 on two (docs/BENCHMARKS.md, "A one-row step's host work").
   std::string error;
   std::mutex error_lock;
-  at::parallel_for(0, n, 256, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, n, 32, [&](int64_t i0, int64_t i1) {
     std::vector<uint8_t> raw(row_bytes);
     for (int64_t i = i0; i < i1; ++i) {
       int64_t done = 0;
