@@ -22,7 +22,8 @@
    layers, per step (the mean over the timed steps), and each GEMM's weight read rate; then the
    rest of the decode_layers call (its arguments, checks and parallel region), the head (from the
    final norm's output to the logits: the coarse GEMM, its top rows and their exact refinement)
-   and the rest of the forward (the embedding, the final norm, the arguments' lists).
+   and the rest of the forward (the embedding, the final norm and its rows, the step's own
+   arguments).
 3. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
    and built on the main thread but run on a second one: the effect
