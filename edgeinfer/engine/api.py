@@ -41,6 +41,7 @@ from edgeinfer.core.scheduler import Scheduler
 from edgeinfer.engine.actor import ActorFailed, mailbox, serve
 from edgeinfer.engine.model_actor import ModelActor, Sampler, StepRunner, compute_thread, run_on
 from edgeinfer.engine.scheduler_actor import EngineStats, SchedulerActor, Submit
+from edgeinfer.models.host_memory import keep_step_buffers
 from edgeinfer.models.loader import load_model
 from edgeinfer.models.tokenizer import Tokenizer
 from edgeinfer.worker.build import build_runners, resolve_device
@@ -147,6 +148,7 @@ class Engine:
                 self._runner, self._draft_runner = await run_on(
                     self._compute, build_runners, loaded, self.config.runtime, sc.max_num_batched_tokens,
                     sc.max_num_seqs, loaded_draft)
+                keep_step_buffers()
             except BaseException:
                 self._compute.shutdown(wait=False)
                 raise
