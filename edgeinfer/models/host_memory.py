@@ -35,11 +35,10 @@ def keep_step_buffers() -> None:
     """Once the models are loaded: buffers up to 64 MiB come from the heap and, freed, stay there
     for the next step (glibc's mmap and trim thresholds at 64 MiB; trim_heap, which the runner
     calls after prompt steps, still hands free pages back). Under the 1 MiB threshold a 16-row
-    decode step's logits (3.1 MB) and the head's refined rows (2.4 MB), and the model actor's
-    copy of the logits, were each mapped, zeroed by the kernel page by page and unmapped every
-    step: ~1,400 page faults in the forward alone (docs/BENCHMARKS.md, "A one-row step's host
-    work"). Loading keeps the 1 MiB threshold: a 1.7B model's staging copies left ~110 MB more
-    peak RSS without it."""
+    decode step's logits (3.1 MB) and the head's refined rows (2.4 MB) were each mapped, zeroed
+    by the kernel page by page and unmapped every step: ~1,400 page faults a forward
+    (docs/BENCHMARKS.md, "A one-row step's host work"). Loading keeps the 1 MiB threshold: a 1.7B
+    model's staging copies left ~110 MB more peak RSS without it."""
     libc = _libc()
     if libc is not None:
         m_trim_threshold, m_mmap_threshold = -1, -3
