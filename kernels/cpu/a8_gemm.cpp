@@ -51,7 +51,6 @@ using edgeinfer_cpu::a8_rows_to_bf16;
 
 using Kernel = void (*)(const A8Problem&, int64_t, int64_t);
 
-
 // Not every compiler's __builtin_cpu_supports knows "f16c": CPUID leaf 1 says.
 bool f16c() {
   static const bool has = [] {
