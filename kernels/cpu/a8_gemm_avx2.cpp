@@ -17,6 +17,8 @@ namespace {
 
 constexpr int kRows = 4;
 constexpr bool kOffsetX = false;
+constexpr bool kFoldTerms = false;  // rows_fold (a8_gemm_kernel.inc)
+constexpr int kFoldRows = 2;
 
 inline Vi pairs_to_int32(Vi pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
 inline Vi dot_u4(Vi acc, Vi w, Vi x) { return _mm256_add_epi32(acc, pairs_to_int32(_mm256_maddubs_epi16(w, x))); }

@@ -1,5 +1,6 @@
 // The int8-activation GEMM kernel for AVX512-VNNI: vpdpbusd on 64 bytes, 16 columns per vector,
-// 8 activation rows per pass over a weight tile (16 int32 + 8 fp32 accumulators of 32 zmm).
+// 8 activation rows per pass over a weight tile (16 int32 + 8 fp32 accumulators of 32 zmm);
+// two-term rows against int4 weights: 8 x rows a pass, both terms in one sum (rows_fold).
 // int4 x int8: codes 0..15 are dpbusd's unsigned operand as they are. int8 x int8: x + 128 is
 // the unsigned operand and each group's sum starts at -128 * sum(w), prepared with the weight.
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
@@ -17,6 +18,8 @@ using Vf = __m512;
 constexpr int64_t kLanes = 16;
 constexpr int kRows = 8;
 constexpr bool kOffsetX = true;
+constexpr bool kFoldTerms = true;  // rows_fold (a8_gemm_kernel.inc)
+constexpr int kFoldRows = 8;
 
 inline Vi load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline Vi add_i(Vi a, Vi b) { return _mm512_add_epi32(a, b); }
@@ -25,6 +28,8 @@ inline Vi zero_i() { return _mm512_setzero_si512(); }
 inline Vi set1_i(int32_t v) { return _mm512_set1_epi32(v); }
 inline Vi low_nibbles(Vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline Vi high_nibbles(Vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline Vi low_nibbles_x16(Vi v) { return _mm512_and_si512(_mm512_slli_epi16(v, 4), _mm512_set1_epi8(char(0xF0))); }
+inline Vi high_nibbles_x16(Vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(char(0xF0))); }
 // x's 4 bytes at p as vpdpbusd's embedded broadcast: GCC does not fold set1(load) into it, and a
 // separate vpbroadcastd per dot product was a third of the int4 inner loop's instructions.
 inline Vi dot_u4_at(Vi acc, Vi w, const uint8_t* p) {

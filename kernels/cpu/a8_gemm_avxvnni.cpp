@@ -15,6 +15,8 @@ namespace {
 
 constexpr int kRows = 4;
 constexpr bool kOffsetX = true;
+constexpr bool kFoldTerms = false;  // rows_fold (a8_gemm_kernel.inc)
+constexpr int kFoldRows = 2;
 
 inline Vi dot_u4(Vi acc, Vi w, Vi x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
 inline Vi dot_u4_at(Vi acc, Vi w, const uint8_t* p) {

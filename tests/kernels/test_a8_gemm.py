@@ -66,6 +66,20 @@ def test_two_term_activations_match_reference_and_come_near_the_exact_product(is
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 64), ("int8", 32)])
+@pytest.mark.parametrize("m", [2, 5, 19])
+def test_two_term_rows_in_a_batch_equal_each_row_alone(isa, fmt, group, m):
+    # One row runs the per-term loop; from two rows the AVX512-VNNI kernel sums int4 weights' two
+    # terms in one multiply-add chain (rows_fold). Both are the same exact int32 sum and rescale,
+    # so a row's output does not depend on its batch, bit for bit.
+    weight = cpu_a8.prepare_a8(a8_weight(fmt, 45, 576, group, seed=m, mins=True), terms=2)
+    x = a8_x(m, 576, seed=m + 3)
+    batch = cpu_a8.a8_linear(x, weight, isa)
+    alone = torch.cat([cpu_a8.a8_linear(x[i:i + 1], weight, isa) for i in range(m)])
+    assert torch.equal(batch, alone)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("group,mins", [(16, False), (16, True), (32, True), (128, False)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 def test_a8_gemm_int8_groups_and_mins(isa, group, mins, scale_dtype):
