@@ -146,11 +146,14 @@ def dequantize_into(weight: CpuInt4Weight, out: torch.Tensor) -> torch.Tensor:
     return out.view(-1)[: n * k].view(n, k)
 
 
-def read_rows(fd: int, offset: int, num_rows: int, k: int, ggml_type: int, row_ids: torch.Tensor) -> torch.Tensor:
+def read_rows(fd: int, offset: int, num_rows: int, k: int, ggml_type: int, row_ids: torch.Tensor,
+              cache: torch.Tensor | None = None, cache_ids: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 (len(row_ids), k) rows of a (num_rows, k) GGUF matrix (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
     Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) stored at byte ``offset`` of the open file ``fd``; one pread
-    per row."""
-    return torch.ops.edgeinfer_cpu.read_rows(fd, offset, num_rows, k, ggml_type, row_ids)
+    per row, except rows found in ``cache`` (slots x row bytes, uint8) / ``cache_ids`` (slots,
+    int64, -1 for empty): row r's bytes kept in slot r % slots, updated with the rows read.
+    The caller keeps a cache to one thread at a time."""
+    return torch.ops.edgeinfer_cpu.read_rows(fd, offset, num_rows, k, ggml_type, row_ids, cache, cache_ids)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

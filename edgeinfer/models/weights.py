@@ -169,11 +169,12 @@ def prepare_layer(get: Callable[[str], Weight], backend: Backend, spec: ArchSpec
     )
 
 
-def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: RowReader | None) -> torch.Tensor:
+def weight_rows(weight: Weight | FileRows, row_ids: torch.Tensor, read_rows: RowReader | None,
+                cached: bool = True) -> torch.Tensor:
     """fp32 rows of a (possibly quantized) matrix: embedding lookup and head refinement;
-    ``read_rows``: row_reader's choice for a file's rows."""
+    ``read_rows``: row_reader's choice for a file's rows; ``cached``: see FileRows.read."""
     if isinstance(weight, FileRows):
-        return weight.read(row_ids, read_rows)
+        return weight.read(row_ids, read_rows, cached)
     if not isinstance(weight, QuantizedTensor):
         return weight[row_ids].float()
     picked = QuantizedTensor(
@@ -268,7 +269,7 @@ def _quantize_head_int4(head: Weight | FileRows, read_rows: RowReader | None, ch
     out = QuantizedTensor("int4", (n, k), 32, torch.empty(n, k // 2, dtype=torch.uint8),
                           torch.empty(n, k // 32, dtype=torch.float16), torch.empty(n, k // 32, dtype=torch.float16))
     for lo in range(0, n, chunk):
-        part = quantize_int4(weight_rows(head, torch.arange(lo, min(lo + chunk, n)), read_rows), 32)
+        part = quantize_int4(weight_rows(head, torch.arange(lo, min(lo + chunk, n)), read_rows, cached=False), 32)
         out.qweight[lo:lo + chunk] = part.qweight
         out.scales[lo:lo + chunk] = part.scales
         out.mins[lo:lo + chunk] = part.mins

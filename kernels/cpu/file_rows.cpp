@@ -18,7 +18,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 #include <unistd.h>
@@ -155,11 +157,33 @@ void decode_row(int64_t type, const uint8_t* src, int64_t k, float* dst) {
 }
 
 // fp32 (len(ids), k): rows ids[i] of the (num_rows, k) matrix of GGUF type `type` that starts at
-// byte `offset` of the open file `fd`.
-at::Tensor read_rows(int64_t fd, int64_t offset, int64_t num_rows, int64_t k, int64_t type, const at::Tensor& ids_in) {
+// byte `offset` of the open file `fd`. With `cache` (C, row bytes) uint8 and `cache_ids` (C,)
+// int64 (-1: empty), a direct-mapped cache of the file's bytes: row r lives in slot r % C, a row
+// found there is decoded without its pread, and the rows read are stored there after the
+// parallel part (so no thread reads a slot another writes). A step's refined head rows repeat
+// from step to step (the same likely tokens), and a pread costs ~1.2-1.8 us on this VM.
+at::Tensor read_rows(int64_t fd, int64_t offset, int64_t num_rows, int64_t k, int64_t type, const at::Tensor& ids_in,
+                     const std::optional<at::Tensor>& cache, const std::optional<at::Tensor>& cache_ids) {
   TORCH_CHECK(ids_in.dim() == 1, "row ids must be one-dimensional, got ", ids_in.sizes());
   TORCH_CHECK(k > 0 && k % 32 == 0 && offset >= 0, "bad matrix layout: offset ", offset, ", k ", k);
   const int64_t row_bytes = row_bytes_of(type, k);  // also rejects types decode_row cannot read
+  TORCH_CHECK(cache.has_value() == cache_ids.has_value(), "a row cache needs both its bytes and its ids");
+  int64_t slots = 0;
+  uint8_t* cached = nullptr;
+  int64_t* cached_id = nullptr;
+  if (cache.has_value()) {
+    TORCH_CHECK(cache->dim() == 2 && cache->size(1) == row_bytes && cache->size(0) > 0 &&
+                    cache->scalar_type() == at::kByte && cache->is_contiguous(),
+                "the row cache must be (slots, ", row_bytes, ") contiguous uint8, got ", cache->sizes(), " ",
+                cache->scalar_type());
+    TORCH_CHECK(cache_ids->dim() == 1 && cache_ids->size(0) == cache->size(0) &&
+                    cache_ids->scalar_type() == at::kLong && cache_ids->is_contiguous(),
+                "the row cache's ids must be (", cache->size(0), ",) contiguous int64, got ", cache_ids->sizes(), " ",
+                cache_ids->scalar_type());
+    slots = cache->size(0);
+    cached = cache->data_ptr<uint8_t>();
+    cached_id = cache_ids->data_ptr<int64_t>();
+  }
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   at::Tensor out = at::empty({n, k}, at::kFloat);
@@ -167,18 +191,25 @@ at::Tensor read_rows(int64_t fd, int64_t offset, int64_t num_rows, int64_t k, in
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < num_rows, "row id ", id[i], " is outside [0, ", num_rows, ")");
   }
+  // With a cache the rows read wait in `staged` (row i at i x row bytes) until they are stored.
+  std::unique_ptr<uint8_t[]> staged(cached != nullptr ? new uint8_t[n * row_bytes] : nullptr);
+  std::vector<uint8_t> missed(cached != nullptr ? n : 0);
   // Rows split over threads from 32 (one sequence's 64 refined head rows: two halves): a pread
   // costs ~1.2 us a row here, ~1.8 after a decode step; 64 rows after a step took 108-136 us on
   // one thread, 66-109 on two (docs/BENCHMARKS.md, "A one-row step's host work").
   std::string error;
   std::mutex error_lock;
   at::parallel_for(0, n, 32, [&](int64_t i0, int64_t i1) {
-    std::vector<uint8_t> raw(row_bytes);
+    std::vector<uint8_t> own(cached != nullptr ? 0 : row_bytes);
     for (int64_t i = i0; i < i1; ++i) {
+      if (cached != nullptr && cached_id[id[i] % slots] == id[i]) {
+        decode_row(type, cached + id[i] % slots * row_bytes, k, out.data_ptr<float>() + i * k);
+        continue;
+      }
+      uint8_t* raw = cached != nullptr ? staged.get() + i * row_bytes : own.data();
       int64_t done = 0;
       while (done < row_bytes) {  // pread may return fewer bytes (signals, some filesystems)
-        const ssize_t got = pread(static_cast<int>(fd), raw.data() + done, row_bytes - done,
-                                  offset + id[i] * row_bytes + done);
+        const ssize_t got = pread(static_cast<int>(fd), raw + done, row_bytes - done, offset + id[i] * row_bytes + done);
         if (got < 0 && errno == EINTR) continue;
         if (got <= 0) {  // no exceptions inside the parallel region: report after it
           std::lock_guard<std::mutex> guard(error_lock);
@@ -188,17 +219,26 @@ at::Tensor read_rows(int64_t fd, int64_t offset, int64_t num_rows, int64_t k, in
         }
         done += got;
       }
-      decode_row(type, raw.data(), k, out.data_ptr<float>() + i * k);
+      decode_row(type, raw, k, out.data_ptr<float>() + i * k);
+      if (cached != nullptr) missed[i] = 1;
     }
   });
   TORCH_CHECK(error.empty(), error);
+  for (int64_t i = 0; i < static_cast<int64_t>(missed.size()); ++i) {
+    if (!missed[i]) continue;
+    const int64_t slot = id[i] % slots;
+    std::memcpy(cached + slot * row_bytes, staged.get() + i * row_bytes, row_bytes);
+    cached_id[slot] = id[i];
+  }
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
-  m.def("read_rows(int fd, int offset, int num_rows, int k, int ggml_type, Tensor ids) -> Tensor");
+  m.def(
+      "read_rows(int fd, int offset, int num_rows, int k, int ggml_type, Tensor ids, Tensor(a!)? cache=None, "
+      "Tensor(b!)? cache_ids=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("read_rows", &read_rows); }

@@ -16,6 +16,7 @@ from edgeinfer.models.loader import load_model
 from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.build import build_model, fixed_runner
 from kernels import cpu_ops
+from quant import gguf_import
 from quant.formats import QuantizedTensor
 from quant.gguf_import import FileRows, ModelFileError, convert_tensor
 from quant.gguf_reader import open_gguf, read_tensor
@@ -129,6 +130,48 @@ def test_file_rows_cut_short_name_the_file(tmp_path: Path) -> None:
     for read in (rows.read, lambda ids: rows.read_reference(ids)):
         with pytest.raises((ModelFileError, RuntimeError), match="file ends"):
             read(torch.tensor([39]))
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+def test_rows_read_are_kept_in_a_cache_of_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "rows.gguf"
+    n, k = 40, 64
+    _one_tensor_gguf(path, "Q8_0", n, k)
+    (tensor,) = open_gguf(path).tensors
+    whole = convert_tensor(tensor, read_tensor(path, tensor)).dequantize(torch.float32)
+    monkeypatch.setattr(gguf_import, "ROW_CACHE_BYTES", 5 * tensor.nbytes // n)  # 5 slots: row r in r % 5
+    rows = FileRows(path, tensor)
+    ids = torch.tensor([7, 2, 12, 7, 30, 39, 2])  # 2 / 7 / 12 share a slot, repeats, both rows missing
+    for _ in range(2):  # the second call finds some rows in the cache
+        assert torch.equal(rows.read(ids, cpu_ops.read_rows), whole[ids])
+    slots = rows._cache_ids.tolist()
+    assert all(r == -1 or r % 5 == slot for slot, r in enumerate(slots)) and {30, 39} <= set(slots)
+    # A row in the cache is not read again: with the file cut short, the cached rows still come
+    # back, uncached ones (and the same rows past the cache) name the file's end.
+    os.truncate(path, tensor.offset)
+    cached = torch.tensor([r for r in slots if r >= 0])
+    assert torch.equal(rows.read(cached, cpu_ops.read_rows), whole[cached])
+    for ids, flag in ((torch.tensor([next(r for r in range(n) if r not in slots)]), True), (cached, False)):
+        with pytest.raises(ModelFileError, match="file ends"):
+            rows.read(ids, cpu_ops.read_rows, cached=flag)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+def test_a_row_cache_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "rows.gguf"
+    _one_tensor_gguf(path, "Q8_0", 8, 64)
+    (tensor,) = open_gguf(path).tensors
+    ids, ok_ids = torch.tensor([1, 2]), torch.full((4,), -1)
+    args = (os.open(path, os.O_RDONLY), tensor.offset, 8, 64, int(tensor.ggml_type), ids)
+    try:
+        wide, narrow = torch.empty(4, 68, dtype=torch.uint8), torch.empty(4, 64, dtype=torch.uint8)
+        for cache, cache_ids, problem in ((wide, None, "both its bytes and its ids"),
+                                          (narrow, ok_ids, r"\(slots, 68\)"),
+                                          (wide, torch.full((3,), -1), r"\(4,\) contiguous int64")):
+            with pytest.raises(RuntimeError, match=problem):
+                cpu_ops.read_rows(*args, cache, cache_ids)
+    finally:
+        os.close(args[0])
 
 
 def test_embedding_stays_in_the_file(default_model_path: Path) -> None:
