@@ -21,9 +21,9 @@
    layers' norms, each GEMM, RoPE and the K/V writes, attention, the activation), summed over the
    layers, per step (the mean over the timed steps), and each GEMM's weight read rate; then the
    rest of the decode_layers call (its arguments, checks and parallel region), the head (from the
-   final norm's output to the logits: the coarse GEMM, its top rows and their exact refinement)
-   and the rest of the forward (the embedding, the final norm and its rows, the step's own
-   arguments).
+   final norm's output to the logits: the coarse GEMM, its top rows, their rows read and their
+   exact refinement, each also alone) and the rest of the forward (the embedding, the final norm
+   and its rows, the step's own arguments).
 3. `threads`: one int4 GEMM (1 x 576 x 1536, the C++ CPU op) built and run on one thread while
    the main thread has run no OpenMP region (the engine's compute thread), on the main thread,
    and built on the main thread but run on a second one: the effect
@@ -134,6 +134,7 @@ def forward_only(rows: int, context: int, repeats: int,
     from bench_arch_step import decode_times
     from bench_common import fastest_tenth
 
+    from edgeinfer.models import llama
     from edgeinfer.models.loader import load_model
     from edgeinfer.worker.build import build_model
 
@@ -142,9 +143,29 @@ def forward_only(rows: int, context: int, repeats: int,
     phase_ns = torch.zeros(len(cpu_ops.DECODE_PHASES), dtype=torch.int64) if phases else None
     calls: list[float] = []  # the decode_layers calls, then the heads; the timed steps' are the last
     heads: list[float] = []
+    head_parts: dict[str, list[float]] = {"coarse GEMM": [], "top rows": [], "row reads": [], "refinement": []}
     if phases:
-        model._head = timed(heads, model._head)
+        in_head = [False]  # the parts below are counted only inside the head (not the embedding's rows)
+
+        def head(*args: Any) -> Any:
+            in_head[0] = True
+            try:
+                return head_call(*args)
+            finally:
+                in_head[0] = False
+
+        def part(record: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+            inner = timed(record, fn)
+            return lambda *args, **kwargs: inner(*args, **kwargs) if in_head[0] else fn(*args, **kwargs)
+
+        head_call = timed(heads, model._head)
+        model._head = head
         cpu_ops.decode_layers = timed(calls, cpu_ops.decode_layers)
+        # As llama.LlamaModel._head calls them.
+        llama.linear = part(head_parts["coarse GEMM"], llama.linear)
+        cpu_ops.row_topk = part(head_parts["top rows"], cpu_ops.row_topk)
+        llama.weight_rows = part(head_parts["row reads"], llama.weight_rows)
+        cpu_ops.refine_logits = part(head_parts["refinement"], cpu_ops.refine_logits)
     with torch.inference_mode():
         times = decode_times(model, model.config, rows, context, repeats, phase_ns)
     fast = fastest_tenth(times)
@@ -154,6 +175,9 @@ def forward_only(rows: int, context: int, repeats: int,
     if phase_ns is not None:
         print_phases(model, phase_ns / repeats / 1e3, statistics.mean(times) * 1e6,
                      statistics.mean(calls[-repeats:]) * 1e6, statistics.mean(heads[-repeats:]) * 1e6)
+        for name, record in head_parts.items():
+            if record:  # the last `repeats` calls are the timed steps' heads'
+                print(f"    {'head: ' + name:>22} {statistics.mean(record[-repeats:]) * 1e6:8.0f} us")
     a8 = [w.kernel for w in (*model.weights.linears(), model.weights.head) if isinstance(w.kernel, cpu_a8.A8Weight)]
     if a8 and not any(w.bf16 for w in a8):
         from bench_weight_stream import sum_rates
