@@ -49,6 +49,34 @@ def test_row_topk_ties_go_to_the_lower_index_and_nan_ranks_first():
         cpu_ops.row_topk(x, 11)
 
 
+@pytest.mark.parametrize("k", [16, 64, 90])
+def test_row_topk_of_long_rows_ties_masks_and_nans(k):
+    # Rows of 49157 (192 blocks of 256 and 5 more) and k up to 96 take the bound of the blocks'
+    # maxima; a row mostly -inf ties too many values at the bound and takes the heap; a NaN
+    # anywhere, in a block or past the last, ranks first.
+    gen = torch.Generator().manual_seed(k)
+    vocab = 49157
+    ties = (torch.randn(vocab, generator=gen) * 2).round()  # ~15 distinct values: ties at the k-th
+    masked = torch.full((vocab,), -torch.inf)
+    masked[torch.randperm(vocab, generator=gen)[:200]] = torch.randn(200, generator=gen)
+    peaked = torch.randn(vocab, generator=gen)
+    peaked[torch.randperm(vocab, generator=gen)[:30]] += 20.0
+    peaked[-1] = 50.0  # the best past the last whole block
+    x = torch.stack([ties, masked, peaked])
+    values, indices = cpu_ops.row_topk(x, k)
+    for row in range(x.shape[0]):  # a sort by (value descending, index ascending): the oracle
+        r = x[row].tolist()
+        order = sorted(range(vocab), key=lambda i, r=r: (-r[i], i))[:k]
+        assert indices[row].tolist() == order and torch.equal(values[row], x[row, order])
+    for at in (1000, vocab - 2):
+        nan_row = peaked.clone()
+        nan_row[at] = torch.nan
+        values, indices = cpu_ops.row_topk(nan_row[None], k)
+        r = nan_row.tolist()
+        rest = sorted((i for i in range(vocab) if i != at), key=lambda i, r=r: (-r[i], i))[:k - 1]
+        assert indices[0].tolist() == [at, *rest] and values[0, 0].isnan()
+
+
 def _oracle_token(probs: torch.Tensor, u: float) -> tuple[int, float]:
     """Inverse CDF in vocabulary order: the first token whose cumulative probability exceeds u,
     and how far u lies from the nearest CDF step (a draw closer than rounding is not checked)."""
