@@ -43,6 +43,7 @@
 namespace {
 
 using edgeinfer_cpu::balanced_for;
+using edgeinfer_cpu::dot;
 using edgeinfer_cpu::hsum;
 using edgeinfer_cpu::to_float;
 
@@ -118,15 +119,6 @@ inline void to_float_row(const c10::Half* src, int64_t count, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, edgeinfer_cpu::load8(src + i));
   for (; i < count; ++i) dst[i] = to_float(src[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t count) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = hsum(acc);
-  for (; i < count; ++i) total += a[i] * b[i];
-  return total;
 }
 
 struct Activations {

@@ -9,21 +9,11 @@
 // in the last bits.
 
 #include <ATen/ATen.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include "simd.h"
 
 namespace {
-
-float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float sum = edgeinfer_cpu::hsum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
 
 void refine_logits(at::Tensor logits, const at::Tensor& h, const at::Tensor& ids, const at::Tensor& rows) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
@@ -47,7 +37,7 @@ void refine_logits(at::Tensor logits, const at::Tensor& h, const at::Tensor& ids
   for (int64_t l = 0; l < num_rows; ++l) {
     for (int64_t r = 0; r < per_row; ++r) {
       const int64_t i = l * per_row + r;
-      out[l * vocab + id[i]] = dot(hp + l * hidden, rp + i * hidden, hidden);
+      out[l * vocab + id[i]] = edgeinfer_cpu::dot(hp + l * hidden, rp + i * hidden, hidden);
     }
   }
 }

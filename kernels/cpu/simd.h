@@ -1,5 +1,5 @@
-// AVX2 helpers shared by the CPU ops in this folder: horizontal reductions, loads of 8 values
-// of each cache dtype as fp32, and a vector exp for softmax and sigmoid.
+// AVX2 helpers shared by the CPU ops in this folder: horizontal reductions, an fp32 dot product,
+// loads of 8 values of each cache dtype as fp32, and a vector exp for softmax and sigmoid.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -25,6 +25,16 @@ inline float hmax(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The fp32 dot product of a and b (count values), 8 lanes then the rest.
+inline float dot(const float* a, const float* b, int64_t count) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float total = hsum(acc);
+  for (; i < count; ++i) total += a[i] * b[i];
+  return total;
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
