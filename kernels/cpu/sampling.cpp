@@ -62,8 +62,6 @@ inline bool better(const Entry& a, const Entry& b) {
   return a.value > b.value || (a.value == b.value && a.index < b.index);
 }
 
-inline bool has_nan(__m256 v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
-
 // top_k for a wide k, where each value entering a heap of k costs ~log k: torch.topk's own
 // selection (~0.2 ms a 49152-token row at k = 512 either way, and the heap's cost keeps growing).
 // Equal values come in torch's order; NaN ranks above every number.
@@ -90,7 +88,8 @@ constexpr int64_t kBoundMaxCandidates = 4096;
 bool top_k_by_bound(const float* x, int64_t n, int64_t k, std::vector<Entry>& best) {
   const int64_t blocks = n / kBoundBlock;
   std::vector<float> maxima(blocks);
-  __m256 nan = _mm256_setzero_ps();  // maxps can drop a NaN, and nth_element must not see one
+  __m256 nan = _mm256_setzero_ps();  // maxps can drop a NaN, and nth_element must not see one;
+  // the NaN checks are all here, so the gathering pass below has none
   for (int64_t b = 0; b < blocks; ++b) {
     const float* p = x + b * kBoundBlock;
     const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -105,6 +104,9 @@ bool top_k_by_bound(const float* x, int64_t n, int64_t k, std::vector<Entry>& be
     maxima[b] = hmax(_mm256_max_ps(_mm256_max_ps(acc[0], acc[1]), _mm256_max_ps(acc[2], acc[3])));
   }
   if (_mm256_movemask_ps(nan) != 0) return false;
+  for (int64_t i = blocks * kBoundBlock; i < n; ++i) {  // past the last whole block
+    if (std::isnan(x[i])) return false;
+  }
   std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<float>());
   const float bound = maxima[k - 1];
   best.clear();
@@ -112,7 +114,6 @@ bool top_k_by_bound(const float* x, int64_t n, int64_t k, std::vector<Entry>& be
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    if (has_nan(v)) return false;
     int at_least = _mm256_movemask_ps(_mm256_cmp_ps(v, vbound, _CMP_GE_OQ));
     while (at_least) {
       const int64_t j = i + __builtin_ctz(at_least);
@@ -122,7 +123,6 @@ bool top_k_by_bound(const float* x, int64_t n, int64_t k, std::vector<Entry>& be
     if (static_cast<int64_t>(best.size()) > kBoundMaxCandidates) return false;
   }
   for (; i < n; ++i) {
-    if (std::isnan(x[i])) return false;
     if (x[i] >= bound) best.push_back({x[i], i});
   }
   if (static_cast<int64_t>(best.size()) < k) return false;  // cannot happen: k blocks reach the bound
