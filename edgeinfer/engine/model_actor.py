@@ -39,7 +39,15 @@ from edgeinfer.worker.batch import SeqChunk
 from edgeinfer.worker.cpu_share import CpuShare
 from edgeinfer.worker.draft_model import DraftModel
 from edgeinfer.worker.model_runner import ModelRunner
-from edgeinfer.worker.sampler import SampleOutput, SamplingBatch, processed_logits, sample, sampling_probs
+from edgeinfer.worker.sampler import (
+    SampleOutput,
+    SamplingBatch,
+    greedy_ids,
+    processed_logits,
+    sample,
+    sampling_probs,
+    takes_argmax,
+)
 from edgeinfer.worker.verify import verify_greedy, verify_sampled, verify_uniforms
 
 log = logging.getLogger(__name__)
@@ -252,8 +260,14 @@ class ModelActor:
 
     def _sample_plain(self, plan: StepPlan, indices: list[int], logits: torch.Tensor,
                       rows: dict[int, list]) -> None:
-        """One token per choice: an n > 1 request's first sample draws n tokens from one row."""
+        """One token per choice: an n > 1 request's first sample draws n tokens from one row. A step
+        whose rows all take their logits' argmax (sampler.takes_argmax) skips the sampler."""
         sampled = [plan.seqs[i] for i in indices for _ in plan.seqs[i].choices]
+        if all(takes_argmax(s.params, len(s.output_ids), bool(s.guide_masks)) for s in sampled):
+            token_ids = iter(greedy_ids(logits).tolist())
+            for i in indices:
+                rows[i] = [((next(token_ids),), 0.0, ()) for _ in plan.seqs[i].choices]
+            return
         batch = SamplingBatch.from_params(
             [s.params for s in sampled], [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled], self.vocab_size, self.eos_token_ids,

@@ -4,13 +4,21 @@ arithmetic, seeds independent of batch neighbours, greedy, min_tokens, logprobs.
 import dataclasses
 import math
 
+import fake_runner
 import pytest
 import torch
 from oracles import reference_probs
 
 from edgeinfer.core.sampling_params import SamplingParams
 from edgeinfer.worker import sampler
-from edgeinfer.worker.sampler import SamplingBatch, processed_logits, sample, sampling_probs, seeded_uniform
+from edgeinfer.worker.sampler import (
+    SamplingBatch,
+    processed_logits,
+    sample,
+    sampling_probs,
+    seeded_uniform,
+    takes_argmax,
+)
 from kernels import cpu_ops
 
 VOCAB = 12
@@ -141,6 +149,57 @@ def test_greedy_rows_take_argmax_of_processed_logits(path):
     batch = SamplingBatch.from_params([params], [[]], [[1]], 4)
     assert sample(logits, batch).token_ids.tolist() == [2]  # token 1's count pushed it to 2.0
     assert sampling_probs(logits, batch).tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
+def test_takes_argmax_exactly_where_sample_keeps_the_raw_argmax(path):
+    """The model actor's plain greedy steps skip the sampler for rows `takes_argmax` names: on logits
+    where every one of steps 1-4 moves the answer, it must name exactly the rows whose sampled
+    token is still the raw argmax (and never a row that asks for logprobs or draws)."""
+    eos = 0
+    logits = torch.rand(1, VOCAB, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    logits[0, eos], logits[0, 1] = 5.0, 4.9  # the argmax, and a close second that any change promotes
+    all_but_eos = (0xFFF & ~1).to_bytes(4, "little")  # one 32-bit word: bit t allows token t
+    cases = [  # (params, prompt, output, guide mask)
+        (SamplingParams(temperature=0), [], [], b""),
+        (SamplingParams(temperature=0, min_tokens=3), [], [4], b""),
+        (SamplingParams(temperature=0, min_tokens=3), [], [4, 5, 6], b""),
+        (SamplingParams(temperature=0, repetition_penalty=2.0), [eos], [], b""),
+        (SamplingParams(temperature=0, presence_penalty=1.0), [], [eos], b""),
+        (SamplingParams(temperature=0, frequency_penalty=0.5), [], [eos], b""),
+        (SamplingParams(temperature=0, logit_bias={1: 0.5}), [], [], b""),
+        (SamplingParams(temperature=0), [], [], all_but_eos),
+    ]
+    for params, prompt, output, guide in cases:
+        batch = SamplingBatch.from_params([params], [prompt], [output], VOCAB, eos_token_ids=(eos,),
+                                          guide_masks=[guide])
+        keeps_argmax = sample(logits, batch).token_ids.item() == eos
+        assert takes_argmax(params, len(output), bool(guide)) == keeps_argmax, params
+    assert takes_argmax(SamplingParams(temperature=0), 0, False)
+    assert not takes_argmax(SamplingParams(temperature=0, logprobs=0), 0, False)
+    assert not takes_argmax(SamplingParams(temperature=0.8, top_k=1), 0, False)
+
+
+def test_a_plain_greedy_step_takes_the_first_of_tied_maxima_beside_a_row_that_needs_the_sampler():
+    """Through the model actor: a plain greedy request's tokens skip the sampler, a request with
+    min_tokens pending goes through it in the same steps; the oracle is torch.argmax on the row
+    (EOS masked by hand while min_tokens is pending), which takes the first of tied maxima."""
+    def logits_fn(context: list[int]) -> torch.Tensor:
+        row = torch.zeros(fake_runner.VOCAB)
+        row[3] = row[7] = 2.0  # tied
+        row[fake_runner.EOS] = 3.0
+        return row
+
+    sched, actor = fake_runner.make(logits_fn=logits_fn)
+    sched.add_request("plain", [5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    sched.add_request("pending", [5, 9], SamplingParams(temperature=0, max_tokens=3, min_tokens=2))
+    events = fake_runner.run_all(sched, actor)
+    row = logits_fn([])
+    masked = row.clone()
+    masked[fake_runner.EOS] = -math.inf
+    first, suppressed = int(torch.argmax(row)), int(torch.argmax(masked))
+    assert fake_runner.tokens_of(events["plain"]) == [first] * 3
+    assert fake_runner.tokens_of(events["pending"]) == [suppressed, suppressed, first]
+    assert suppressed == 3
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
