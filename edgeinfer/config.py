@@ -292,6 +292,8 @@ class RuntimeConfig:
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 CPU_STEP_TOKENS = 128  # SchedulerConfig.max_num_batched_tokens's default per device (for_device)
 GPU_STEP_TOKENS = 512
+CPU_BURST_WINDOW_S = 0.002  # SchedulerConfig.burst_window_s's default per device (for_device)
+GPU_BURST_WINDOW_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -312,11 +314,13 @@ class SchedulerConfig:
     mailbox_size: int = 1024  # scheduler actor inbox bound (submissions wait when it is full)
     # An idle engine's first submission waits in windows of this many seconds while more keep
     # arriving, so requests sent together share the first step (engine/scheduler_actor.py
-    # `_let_a_burst_in`); a lone request pays one window (on asyncio ~1.1 ms: its epoll wait
-    # rounds up to whole milliseconds, and a 16-request burst needed that margin,
-    # docs/BENCHMARKS.md). 0: plan at the first submission (a front end with one request at a
-    # time: generate, bench).
-    burst_window_s: float = 0.0005
+    # `_let_a_burst_in`); a lone request pays one window. None: the device's default (for_device),
+    # a small part of the first step it protects: 2 ms on the CPU, whose 64-token prompt takes a
+    # ~50 ms step (a local client's parallel requests reached the server over ~2 ms: the server,
+    # woken by the first, took the client's core; with 0.5 ms windows the first prompt often ran
+    # alone and the other 15 waited out its step, docs/BENCHMARKS.md), 0.5 ms on a GPU. 0: plan
+    # at the first submission (a front end with one request at a time: generate, bench).
+    burst_window_s: float | None = None
     # Speculative decoding for decoding sequences: "off", "ngram" (prompt lookup) or "draft" (a
     # draft model, which the engine then loads beside the target): up to max_draft_tokens drafts
     # per step (adapted to each sequence's acceptance), only while at most speculate_max_seqs
@@ -347,14 +351,17 @@ class SchedulerConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
-        if not 0 <= self.burst_window_s <= 0.05:
+        if self.burst_window_s is not None and not 0 <= self.burst_window_s <= 0.05:
             raise ValueError(f"burst_window_s must be in [0, 0.05] seconds, got {self.burst_window_s}")
 
     def for_device(self, device_type: str) -> SchedulerConfig:
-        """This config with the step token budget settled for a device type ("cpu", "cuda"): the
-        one given, else the device's default (at least max_num_seqs, so every running sequence
-        can decode each step)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        default = CPU_STEP_TOKENS if device_type == "cpu" else GPU_STEP_TOKENS
-        return replace(self, max_num_batched_tokens=max(default, self.max_num_seqs))
+        """This config with the step token budget and the burst window settled for a device type
+        ("cpu", "cuda"): those given, else the device's defaults (a budget of at least
+        max_num_seqs, so every running sequence can decode each step)."""
+        cpu = device_type == "cpu"
+        budget, window = self.max_num_batched_tokens, self.burst_window_s
+        if budget is None:
+            budget = max(CPU_STEP_TOKENS if cpu else GPU_STEP_TOKENS, self.max_num_seqs)
+        if window is None:
+            window = CPU_BURST_WINDOW_S if cpu else GPU_BURST_WINDOW_S
+        return replace(self, max_num_batched_tokens=budget, burst_window_s=window)

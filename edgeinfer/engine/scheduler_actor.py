@@ -74,6 +74,9 @@ class EngineStats:
 
 class SchedulerActor:
     def __init__(self, scheduler: Scheduler, model: ActorRef[object]) -> None:
+        if scheduler.config.burst_window_s is None:
+            raise ValueError("SchedulerConfig.burst_window_s is None: settle it for the device first "
+                             "(SchedulerConfig.for_device)")
         self.scheduler = scheduler
         self._model = model
         self._streams: dict[str, MemoryObjectSendStream[Event]] = {}
@@ -220,11 +223,13 @@ async def _let_a_burst_in(inbox: MemoryObjectReceiveStream[Envelope[Submit]], wi
     the streams of a page) reach the server within a few milliseconds, but each is submitted only
     once the server has parsed it (~0.3 ms each on the 2-core machine): planned at the first, the
     step ran that prompt alone and the rest waited out the whole step (~50 ms more TTFT for 15 of
-    16 streams, docs/BENCHMARKS.md). A window that overran by BURST_OVERRUN_S found the loop busy,
-    so one more window follows it even without news: traced, the 15 other handlers of a
-    16-request burst ran inside the first window, which ended ~9 ms late, before any of them had
-    submitted. Only one: on a starved machine every window overruns, and a lone request would
-    wait out all of them."""
+    16 streams, docs/BENCHMARKS.md). They also arrive spread out: traced, a local client's 16
+    requests, written together, came in over ~2 ms, since the server, woken by the first, took the
+    client's core while it wrote the rest (hence the CPU's 2 ms windows). A window that overran by
+    BURST_OVERRUN_S found the loop busy, so one more window follows it even without news: traced,
+    the 15 other handlers of a 16-request burst ran inside the first window, which ended ~9 ms
+    late, before any of them had submitted. Only one: on a starved machine every window overruns,
+    and a lone request would wait out all of them."""
     if not window_s:
         return
     grace = True  # one overrun window without news may be followed by another

@@ -7,6 +7,8 @@ import pytest
 
 from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from edgeinfer.core.scheduler import Scheduler
+from edgeinfer.engine.actor import mailbox
+from edgeinfer.engine.scheduler_actor import SchedulerActor
 from kernels.dispatch import FUSED_STEP_MAX_TOKENS
 
 
@@ -57,3 +59,18 @@ def test_step_token_budget_is_settled_per_device() -> None:
     with pytest.raises(ValueError, match="settle it for the device first"):
         Scheduler(SchedulerConfig(), num_blocks=8, block_size=4, max_model_len=64, vocab_size=10,
                   eos_token_ids=(), bytes_per_token=1, make_detokenizer=object)
+
+
+def test_burst_window_is_settled_per_device() -> None:
+    """Unset, an idle engine's burst window is 2 ms on the CPU (a small part of the ~50 ms first
+    step it protects) and 0.5 ms on a GPU; a given one, 0 included, is kept; the scheduler actor
+    refuses an unsettled one rather than wait none."""
+    assert SchedulerConfig().for_device("cpu").burst_window_s == 0.002
+    assert SchedulerConfig().for_device("cuda").burst_window_s == 0.0005
+    assert SchedulerConfig(burst_window_s=0.0).for_device("cpu").burst_window_s == 0.0
+    assert SchedulerConfig(burst_window_s=0.01).for_device("cuda").burst_window_s == 0.01
+    settled_budget = SchedulerConfig(max_num_batched_tokens=128)
+    scheduler = Scheduler(settled_budget, num_blocks=8, block_size=4, max_model_len=64, vocab_size=10,
+                          eos_token_ids=(), bytes_per_token=1, make_detokenizer=object)
+    with pytest.raises(ValueError, match="burst_window_s is None: settle it for the device first"):
+        SchedulerActor(scheduler, mailbox("model", 1)[0])
