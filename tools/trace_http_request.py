@@ -8,6 +8,14 @@ tokens, through tools/bench_http.py's client. Printed per segment, over all but 
 requests: the median, min and max in ms.
 
     python tools/trace_http_request.py [--requests 12] [--pause 0.6]
+    python tools/trace_http_request.py --burst 16 [--requests 6] [--pause 0.6]
+
+With --burst N, each of --requests rounds writes N such requests at once over N connections opened
+for the round (as tools/bench_serving.py's client does) and prints, per round: when the server's ASGI calls for
+them began (the first and the last, ms after the first), how many were submitted before the
+engine's first step and how long that step ran (a step that took one prompt alone, while the
+others had arrived, is what SchedulerConfig.burst_window_s is there to prevent), and the TTFT p50
+the client read.
 
 Segments: client write -> the ASGI app called (uvicorn's parse), -> the body read and parsed,
 -> the engine's request stream started (routing done, schema, sampling parameters), -> the
@@ -106,6 +114,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--pause", type=float, default=0.6, help="seconds between requests (the server idles)")
+    parser.add_argument("--burst", type=int, default=0, metavar="N", help="rounds of N requests written together")
     args = parser.parse_args()
 
     import anyio
@@ -129,6 +138,36 @@ def main() -> int:
             wait_healthy(f"http://127.0.0.1:{port}/healthz", server, log=log)
             headers = {"Authorization": f"Bearer {(Path(tmp) / 'token').read_text().strip()}"}
 
+            async def burst_rounds() -> None:
+                for i in range(args.requests):  # each round on new connections, as bench_serving's
+                    connections = [Connection("127.0.0.1", port, headers) for _ in range(args.burst)]
+                    for connection in connections:
+                        await connection.open()
+                    name = (await connections[0].get_json("/v1/models"))["data"][0]["id"]
+                    requests = [c.request_bytes("POST", "/v1/completions", {
+                        "model": name, "prompt": prompt_ids(encode, f"burst-{time.time()}-{i}-{j}", 64),
+                        "max_tokens": 16, "temperature": 0, "stream": True, "ignore_eos": True})
+                        for j, c in enumerate(connections)]
+                    await anyio.sleep(args.pause)
+                    start, firsts = time.perf_counter(), []
+                    for connection, request in zip(connections, requests, strict=True):
+                        connection.write(request)
+
+                    async def first_read(connection: Connection, start: float = start,
+                                         firsts: list[float] = firsts) -> None:
+                        first = None
+                        async for data in connection.events():
+                            if first is None and data.startswith(b"{"):
+                                first = time.perf_counter() - start
+                        firsts.append(first)
+
+                    async with anyio.create_task_group() as tg:
+                        for connection in connections:
+                            tg.start_soon(first_read, connection)
+                    client.append((start, statistics.median(firsts)))
+                    for connection in connections:
+                        await connection.close()
+
             async def run() -> None:
                 connection = Connection("127.0.0.1", port, headers)
                 await connection.open()
@@ -146,7 +185,7 @@ def main() -> int:
                     client.append((start, first))
                 await connection.close()
 
-            anyio.run(run)
+            anyio.run(burst_rounds if args.burst else run)
         finally:
             server.terminate()
             server.wait()
@@ -154,6 +193,9 @@ def main() -> int:
         for line in trace.read_text().splitlines():
             name, value = line.split()
             stamps[name].append(float(value))
+    if args.burst:
+        print_bursts(args, client, stamps)
+        return 0
     # Each request's stamps in order; the prompt's step is the first step after its submission.
     rows = []
     for i, (start, first) in enumerate(client):
@@ -166,6 +208,20 @@ def main() -> int:
         values = [row[j] for row in rows[2:]]
         print(f"{segment:30s} {statistics.median(values):7.2f} ({min(values):.2f}-{max(values):.2f})")
     return 0
+
+
+def print_bursts(args: argparse.Namespace, rounds: list[tuple[float, float]], stamps: dict[str, list[float]]) -> None:
+    """Per round of --burst requests: the server's ASGI calls, the first step, the client's TTFT p50."""
+    print(f"{args.requests} rounds of {args.burst} requests written together, {args.pause} s apart")
+    print("round  ASGI calls from the first, ms  submitted before the first step  first step ms  TTFT p50 ms")
+    for i, (start, ttft) in enumerate(rounds):
+        end = rounds[i + 1][0] if i + 1 < len(rounds) else float("inf")
+        at = {name: [t for t in values if start <= t < end] for name, values in stamps.items()}
+        first = at["asgi"][0]
+        steps = at["step"]
+        joined = sum(1 for t in at["submit"] if t < steps[0])
+        print(f"{i:5d}  {0.0:.1f} .. {(at['asgi'][-1] - first) * 1e3:4.1f} (second {(at['asgi'][1] - first) * 1e3:.1f})"
+              f"  {joined:31d}  {(steps[1] - steps[0]) * 1e3:13.1f}  {ttft * 1e3:11.1f}")
 
 
 if __name__ == "__main__":
