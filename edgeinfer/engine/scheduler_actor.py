@@ -77,6 +77,7 @@ class SchedulerActor:
         if scheduler.config.burst_window_s is None:
             raise ValueError("SchedulerConfig.burst_window_s is None: settle it for the device first "
                              "(SchedulerConfig.for_device)")
+        self._burst_window_s: float = scheduler.config.burst_window_s
         self.scheduler = scheduler
         self._model = model
         self._streams: dict[str, MemoryObjectSendStream[Event]] = {}
@@ -99,7 +100,7 @@ class SchedulerActor:
                         except anyio.EndOfStream:
                             code = ENGINE_CLOSED
                             break
-                        await _let_a_burst_in(inbox, self.scheduler.config.burst_window_s)
+                        await _let_a_burst_in(inbox, self._burst_window_s)
                     if not self._take_submissions(inbox):
                         code = ENGINE_CLOSED
                         break
