@@ -164,6 +164,8 @@ def main() -> int:
                     async with anyio.create_task_group() as tg:
                         for connection in connections:
                             tg.start_soon(first_read, connection)
+                    if None in firsts:
+                        raise RuntimeError(f"a request of round {i} got no token (see the server's log)")
                     client.append((start, statistics.median(firsts)))
                     for connection in connections:
                         await connection.close()
