@@ -89,5 +89,5 @@ class SpeculationMixin:
             seq.spec.draft_computed = step.draft_start + len(step.draft_feed) + min(num_accepted, step.model_drafts - 1)
         events = self._emit_tokens(seq, tokens, now, None)
         if seq.seq_id in self._by_seq:  # still running: its verified full blocks become shareable
-            self.block_manager.commit(seq.seq_id, seq.token_ids, seq.kv.num_computed)
+            self.block_manager.commit(seq.seq_id, seq.tokens(), seq.kv.num_computed)
         return events

@@ -205,7 +205,7 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         if step.draft_feed:
             seq.spec.draft_computed = step.draft_start + len(step.draft_feed)
         seq.kv.num_computed = step.start_pos + len(step.token_ids)
-        self.block_manager.commit(seq.seq_id, seq.token_ids, seq.kv.num_computed)
+        self.block_manager.commit(seq.seq_id, seq.tokens(), seq.kv.num_computed)
         if not step.sample:
             return events
         if step.beam_candidates:
@@ -246,11 +246,11 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         return max(self.config.max_num_seqs, fits)
 
     def _step(self, seq: SeqState, budget: int, drafts: tuple[int, ...] = (), model_drafts: int = 0) -> SeqStep:
-        token_ids = seq.token_ids
+        tokens = seq.tokens()
         start = seq.kv.num_computed
-        new = tuple(token_ids[start:start + budget])
+        new = tokens[start:start + budget]
         chunk = new + drafts
-        sample = start + len(new) == len(token_ids)
+        sample = start + len(new) == len(tokens)
         wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0

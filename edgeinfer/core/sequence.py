@@ -4,8 +4,9 @@ its sibling modules); plain Python."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, overload
 
 from edgeinfer.core.beam_search import BeamState
 from edgeinfer.core.events import TokenLogprob
@@ -17,6 +18,41 @@ from edgeinfer.core.stop import StopChecker
 
 class Detokenizer(Protocol):
     def push(self, token_id: int) -> str: ...
+
+
+class Tokens(Sequence[int]):
+    """A sequence's prompt and output read as one, in place: SeqState.token_ids copies the whole
+    context, which a step's scheduling did for every sequence (its few new tokens, the blocks it
+    filled) and so grew with the context (tools/bench_scheduler.py)."""
+
+    __slots__ = ("_prompt", "_output")
+
+    def __init__(self, prompt: tuple[int, ...], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        p = len(self._prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError("Tokens slices step by 1")
+            stop = max(start, stop)
+            if start >= p:
+                return tuple(self._output[start - p:stop - p])
+            return self._prompt[start:stop] + tuple(self._output[:max(0, stop - p)])
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError(f"token index {index} out of range for {len(self)} tokens")
+        return self._prompt[i] if i < p else self._output[i - p]
 
 
 @dataclass
@@ -91,6 +127,10 @@ class SeqState:
     @property
     def token_ids(self) -> list[int]:
         return [*self.prompt_ids, *self.output_ids]
+
+    def tokens(self) -> Tokens:
+        """prompt + output without the copy (what a step reads of a long context)."""
+        return Tokens(self.prompt_ids, self.output_ids)
 
 
 @dataclass(frozen=True)
