@@ -26,8 +26,8 @@ class SeqStep:
     block_table: tuple[int, ...]  # physical blocks covering positions 0 .. start_pos + len - 1
     sample: bool  # False for a prefill chunk that does not reach the end of the sequence
     params: SamplingParams
-    # For the sampler: output so far (seeded sampling and min_tokens read its length) and the
-    # prompt, sent only when a penalty reads it (empty otherwise, to keep decode messages small).
+    # For the sampler: the output so far and the prompt, sent only when a penalty reads them
+    # (empty otherwise: a decode message stays the same size however long the sequence grows).
     output_ids: tuple[int, ...] = ()
     prompt_ids: tuple[int, ...] = ()
     # Choice indices to sample from this row's logits (seeded draws differ by choice): the
@@ -64,6 +64,8 @@ class SeqStep:
     # rows, drafts, or output recomputed after a preemption). The model may run prompt rows on
     # another kernel (cpu_activations bf16-prompts) and keeps every generated row on one.
     prompt_tokens: int = 0
+    # Tokens generated so far, sent always: seeded draws and min_tokens read it.
+    num_output: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SeqStep:

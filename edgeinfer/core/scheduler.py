@@ -251,16 +251,18 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         new = tokens[start:start + budget]
         chunk = new + drafts
         sample = start + len(new) == len(tokens)
-        wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
+        p = seq.params
+        wants_prompt = sample and p.repetition_penalty != 1  # the only reader of the prompt
+        wants_output = sample and (p.repetition_penalty != 1 or bool(p.presence_penalty or p.frequency_penalty))
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
         scored = prompt_logprob_ids(seq, start, start + len(new)) if seq.prompt_logprobs is not None else ()
         feed, feed_start = self._draft_feed(seq, start, len(new), model_drafts)
         masks = seq.guide.masks(drafts) if sample and seq.guide is not None else ()
         return SeqStep(seq.seq_id, chunk, start, seq.kv.block_table, sample, seq.params,
-                       tuple(seq.output_ids) if sample else (), seq.prompt_ids if wants_prompt else (), choices,
-                       drafts, beam_candidates, feed, feed_start, model_drafts, scored, masks,
-                       prompt_tokens=max(0, min(len(new), len(seq.prompt_ids) - start)))
+                       tuple(seq.output_ids) if wants_output else (), seq.prompt_ids if wants_prompt else (),
+                       choices, drafts, beam_candidates, feed, feed_start, model_drafts, scored, masks,
+                       prompt_tokens=max(0, min(len(new), len(seq.prompt_ids) - start)), num_output=len(seq.output_ids))
 
     def _append_or_preempt(self, seq: SeqState) -> tuple[bool, list[tuple[int, int]], bool]:
         """Reserve slots for seq's uncomputed tokens, preempting the newest sequences as needed.

@@ -263,7 +263,7 @@ class ModelActor:
         """One token per choice: an n > 1 request's first sample draws n tokens from one row. A step
         whose rows all take their logits' argmax (sampler.takes_argmax) skips the sampler."""
         sampled = [plan.seqs[i] for i in indices for _ in plan.seqs[i].choices]
-        if all(takes_argmax(s.params, len(s.output_ids), bool(s.guide_masks)) for s in sampled):
+        if all(takes_argmax(s.params, s.num_output, bool(s.guide_masks)) for s in sampled):
             token_ids = iter(greedy_ids(logits).tolist())
             for i in indices:
                 rows[i] = [((next(token_ids),), 0.0, ()) for _ in plan.seqs[i].choices]
@@ -274,6 +274,7 @@ class ModelActor:
             choice_indices=[c for i in indices for c in plan.seqs[i].choices],
             device=logits.device, generator=self._generator,
             guide_masks=[s.guide_masks[0] if s.guide_masks else b"" for s in sampled],
+            num_outputs=[s.num_output for s in sampled],
         )
         out = self._sampler(logits, batch)
         token_ids = out.token_ids.tolist()
@@ -294,7 +295,7 @@ class ModelActor:
         seqs = [plan.seqs[i] for i in indices]
         batch = SamplingBatch.from_params([s.params for s in seqs], [s.prompt_ids for s in seqs],
                                           [s.output_ids for s in seqs], self.vocab_size, self.eos_token_ids,
-                                          device=logits.device)
+                                          device=logits.device, num_outputs=[s.num_output for s in seqs])
         logprobs = torch.log_softmax(processed_logits(logits, batch), dim=-1)
         top_lps, top_ids = logprobs.topk(min(max(s.beam_candidates for s in seqs), logprobs.shape[-1]), dim=-1)
         for i, s, ids, lps in zip(indices, seqs, top_ids.tolist(), top_lps.tolist(), strict=True):
@@ -316,13 +317,15 @@ class ModelActor:
             first = ends[i] - 1 - len(d)
             positions.extend(first + min(j, len(d)) for j in range(k + 1))
         histories = [list(s.output_ids) + list(d[:j]) for s, d in zip(seqs, drafts, strict=True) for j in range(k + 1)]
+        generated = [s.num_output + min(j, len(d)) for s, d in zip(seqs, drafts, strict=True) for j in range(k + 1)]
         expanded = [s for s in seqs for _ in range(k + 1)]
         batch = SamplingBatch.from_params(
             [s.params for s in expanded], [s.prompt_ids for s in expanded], histories, self.vocab_size,
             self.eos_token_ids, choice_indices=[s.choices[0] for s in expanded], device=logits.device,
             generator=self._generator, guide_masks=[  # padding positions repeat the last real one's
                 s.guide_masks[min(j, len(d))] if s.guide_masks else b""
-                for s, d in zip(seqs, drafts, strict=True) for j in range(k + 1)])
+                for s, d in zip(seqs, drafts, strict=True) for j in range(k + 1)],
+            num_outputs=generated)
         draft_ids = torch.tensor([list(d) + [0] * (k - len(d)) for d in drafts], device=logits.device)
         num_drafts = torch.tensor([len(d) for d in drafts], device=logits.device)
         if batch.all_greedy:  # argmax only: no softmax over the vocabulary per position
@@ -330,7 +333,7 @@ class ModelActor:
             token_ids, emitted = verify_greedy(draft_ids, num_drafts, processed)
         else:
             probs = sampling_probs(logits[positions], batch).view(len(seqs), k + 1, -1)
-            uniforms = torch.stack([verify_uniforms(s.params.seed, s.choices[0], len(s.output_ids), k,
+            uniforms = torch.stack([verify_uniforms(s.params.seed, s.choices[0], s.num_output, k,
                                                     self._generator) for s in seqs]).to(logits.device)
             q = None
             if draft_probs is not None:

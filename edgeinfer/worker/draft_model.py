@@ -66,7 +66,8 @@ class DraftModel:
             batch = SamplingBatch.from_params(
                 [s.params for s in seqs_j], [s.prompt_ids for s in seqs_j],
                 [list(s.output_ids) + drafts[r] for r, s in zip(active, seqs_j, strict=True)], self.vocab_size,
-                self.eos_token_ids, choice_indices=[s.choices[0] for s in seqs_j], device=last.device)
+                self.eos_token_ids, choice_indices=[s.choices[0] for s in seqs_j], device=last.device,
+                num_outputs=[s.num_output + len(drafts[r]) for r, s in zip(active, seqs_j, strict=True)])
             if greedy:
                 tokens = greedy_ids(processed_logits(last, batch)).tolist()
             else:
@@ -88,4 +89,4 @@ class DraftModel:
     def _uniform(seq: SeqStep, j: int, generator: torch.Generator | None) -> float:
         if seq.params.seed is None:
             return float(torch.rand(1, dtype=torch.float64, generator=generator))
-        return seeded_uniform(seq.params.seed, seq.choices[0], len(seq.output_ids) + j, DRAFT_STREAM)
+        return seeded_uniform(seq.params.seed, seq.choices[0], seq.num_output + j, DRAFT_STREAM)

@@ -109,16 +109,22 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
         generator: torch.Generator | None = None,
         guide_masks: Sequence[bytes] | None = None,
+        num_outputs: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """Build a batch. Row i samples the next token of a sequence with prompt_ids[i] and
         output_ids[i] generated so far; choice_indices[i] separates the n choices of one seeded
         request (default 0); generator (a CPU torch.Generator) feeds unseeded rows;
-        guide_masks[i] is row i's packed token bitmask (SeqStep.guide_masks; b"": unconstrained)."""
+        guide_masks[i] is row i's packed token bitmask (SeqStep.guide_masks; b"": unconstrained).
+        num_outputs[i]: how many tokens row i has generated (seeded draws and min_tokens read it;
+        default len(output_ids[i])), so that a row no penalty reads may send no tokens at all
+        (SeqStep.output_ids)."""
         num_rows = len(params)
         assert len(prompt_ids) == len(output_ids) == num_rows
+        lengths = num_outputs if num_outputs is not None else [len(ids) for ids in output_ids]
+        assert len(lengths) == num_rows
         choices = choice_indices if choice_indices is not None else [0] * num_rows
         uniforms = torch.rand(num_rows, dtype=torch.float64, generator=generator)
-        seeded = [(i, seeded_uniform(p.seed, choices[i], len(output_ids[i])))
+        seeded = [(i, seeded_uniform(p.seed, choices[i], lengths[i]))
                   for i, p in enumerate(params) if p.seed is not None]
         if seeded:
             rows, values = zip(*seeded, strict=True)
@@ -131,7 +137,7 @@ class SamplingBatch:
             penalty_rows, penalty_ids, penalty_counts = _seen_tokens(prompt_ids, output_ids, vocab_size)
 
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
-        suppress = [(i, t) for i, p in enumerate(params) if len(output_ids[i]) < p.min_tokens
+        suppress = [(i, t) for i, p in enumerate(params) if lengths[i] < p.min_tokens
                     for t in (*eos_token_ids, *p.stop_token_ids)]
         bias_rows, bias_ids, bias_values = zip(*bias, strict=True) if bias else ((), (), ())
         suppress_rows, suppress_ids = zip(*suppress, strict=True) if suppress else ((), ())

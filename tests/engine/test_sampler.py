@@ -202,6 +202,37 @@ def test_a_plain_greedy_step_takes_the_first_of_tied_maxima_beside_a_row_that_ne
     assert suppressed == 3
 
 
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 0.5}, {"presence_penalty": 0.3},
+                                     {"repetition_penalty": 1.5}])
+def test_penalties_through_the_model_actor_read_the_tokens_so_far(penalty: dict) -> None:
+    """A penalised request's tokens through the scheduler and the model actor (which sends a
+    decode row its output only when a penalty reads it) equal a loop that applies the penalty's
+    formula to the same logits by hand, each step over the prompt and the output so far."""
+    base = torch.zeros(fake_runner.VOCAB)
+    base[3], base[7], base[9] = 2.0, 1.9, 1.7
+
+    def oracle(prompt: list[int], steps: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(steps):
+            row = base.clone()
+            for t in set(prompt) | set(out):
+                count = out.count(t)
+                if "repetition_penalty" in penalty:
+                    r = penalty["repetition_penalty"]
+                    row[t] = row[t] / r if row[t] > 0 else row[t] * r
+                row[t] -= count * penalty.get("frequency_penalty", 0.0)
+                row[t] -= (count > 0) * penalty.get("presence_penalty", 0.0)
+            out.append(int(torch.argmax(row)))
+        return out
+
+    sched, actor = fake_runner.make(logits_fn=lambda context: base.clone())
+    prompt = [3, 5]
+    sched.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **penalty))
+    tokens = fake_runner.tokens_of(fake_runner.run_all(sched, actor)["r"])
+    expected = oracle(prompt, 6)
+    assert tokens == expected and len(set(expected)) > 1  # the penalty moved the choice
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.tensor([[0.0, 0.0, 50.0, 50.0]])  # 2 is EOS, 3 a stop token id
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
