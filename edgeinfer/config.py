@@ -319,7 +319,8 @@ class SchedulerConfig:
     # ~50 ms step (a local client's parallel requests reached the server over ~2 ms: the server,
     # woken by the first, took the client's core; with 0.5 ms windows the first prompt often ran
     # alone and the other 15 waited out its step, docs/BENCHMARKS.md), 0.5 ms on a GPU. 0: plan
-    # at the first submission (a front end with one request at a time: generate, bench).
+    # at the first submission (a front end with one request at a time: generate, bench, the
+    # in-process chat).
     burst_window_s: float | None = None
     # Speculative decoding for decoding sequences: "off", "ngram" (prompt lookup) or "draft" (a
     # draft model, which the engine then loads beside the target): up to max_draft_tokens drafts

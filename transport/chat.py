@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from edgeinfer.config import RuntimeConfig
+from edgeinfer.config import RuntimeConfig, SchedulerConfig
 from edgeinfer.core.request import GenerateRequest
 from edgeinfer.core.sampling_params import InvalidParams, SamplingParams, given_fields
 from transport import auth, daemon
@@ -74,7 +74,8 @@ async def open_chat_backend(model_path: str | None, runtime: RuntimeConfig,
         return
     from transport.service import open_engine  # imports torch only on this path
 
-    async with open_engine(model_path, runtime) as (engine, name):
+    # One turn at a time, as `generate`: no burst of requests to wait for (SchedulerConfig.burst_window_s).
+    async with open_engine(model_path, runtime, SchedulerConfig(burst_window_s=0.0)) as (engine, name):
         yield LocalChat(engine, f"{name}, in process (no daemon running)")
 
 

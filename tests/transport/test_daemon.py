@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from edgeinfer.config import RuntimeConfig
 from transport import auth, daemon
-from transport.chat import RemoteChat, chat_repl, open_chat_backend
+from transport.chat import LocalChat, RemoteChat, chat_repl, open_chat_backend
 from transport.client import connect
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +115,24 @@ def test_chat_repl_uses_the_daemon(dirs):
         assert "(conversation cleared)" in text and text.count("tok/s") == 2  # two answers, each timed
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_chat_in_process_answers_without_a_burst_window(default_model_path):
+    """Without a daemon the chat runs an engine in process, one turn at a time: it plans each
+    turn at once (burst window 0) instead of waiting for requests that cannot come."""
+    async def lines():
+        for line in ("hello there", None):
+            yield line
+
+    async def main():
+        out: list[str] = []
+        async with open_chat_backend(str(default_model_path), RuntimeConfig(), use_daemon=False) as backend:
+            assert isinstance(backend, LocalChat) and "in process" in backend.description
+            assert backend.engine.config.scheduler.burst_window_s == 0.0
+            assert await chat_repl(backend, {"max_tokens": 4}, lines(), out.append) == 0
+        assert "".join(out).count("tok/s") == 1
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_chat_repl_stop_keeps_the_partial_answer():
