@@ -34,8 +34,7 @@ class SpeculationMixin:
         not known when the scheduler computes the masks of their positions)."""
         p = seq.params
         return (self.config.speculative != "off" and not seq.to_fork and seq.beam is None and p.logprobs is None
-                and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
-                and (seq.guide is None or self.config.speculative == "ngram"))
+                and not p.penalised and (seq.guide is None or self.config.speculative == "ngram"))
 
     def _drafts(self, seq: SeqState, budget: int, copies: list[tuple[int, int]]) -> tuple[tuple[int, ...], int]:
         """(prompt-lookup drafts, number of draft-model drafts) for a decoding sequence, their

@@ -164,6 +164,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty (repetition, presence or frequency) reads the tokens seen so far."""
+        return self.repetition_penalty != 1 or bool(self.presence_penalty or self.frequency_penalty)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidParams if a token id (or top_k) names no token of a vocabulary of this size."""
         if self.top_k > vocab_size:

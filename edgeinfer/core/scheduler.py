@@ -251,9 +251,8 @@ class Scheduler(AdmissionMixin, ForkMixin, OutputMixin, SpeculationMixin):
         new = tokens[start:start + budget]
         chunk = new + drafts
         sample = start + len(new) == len(tokens)
-        p = seq.params
-        wants_prompt = sample and p.repetition_penalty != 1  # the only reader of the prompt
-        wants_output = sample and (p.repetition_penalty != 1 or bool(p.presence_penalty or p.frequency_penalty))
+        wants_prompt = sample and seq.params.repetition_penalty != 1  # the only reader of the prompt
+        wants_output = sample and seq.params.penalised
         choices = tuple(range(seq.to_fork + 1)) if sample and seq.to_fork else (seq.index,)
         beam_candidates = seq.beam.state.num_candidates if sample and seq.beam is not None else 0
         scored = prompt_logprob_ids(seq, start, start + len(new)) if seq.prompt_logprobs is not None else ()

@@ -130,8 +130,7 @@ class SamplingBatch:
             rows, values = zip(*seeded, strict=True)
             uniforms[list(rows)] = torch.tensor(values, dtype=torch.float64)
 
-        penalised = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
-                        for p in params)
+        penalised = any(p.penalised for p in params)
         penalty_rows = penalty_ids = penalty_counts = None
         if penalised:
             penalty_rows, penalty_ids, penalty_counts = _seen_tokens(prompt_ids, output_ids, vocab_size)
@@ -309,8 +308,7 @@ def takes_argmax(params: SamplingParams, num_output_tokens: int, guided: bool) -
     forward has streamed the weights through the caches, its ~15 tensor operations cost ~0.2 ms
     of a ~5 ms one-row step (ModelActor)."""
     return (params.is_greedy and params.logprobs is None and not guided and not params.logit_bias
-            and params.repetition_penalty == 1 and not params.presence_penalty and not params.frequency_penalty
-            and num_output_tokens >= params.min_tokens)
+            and not params.penalised and num_output_tokens >= params.min_tokens)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
