@@ -16,9 +16,13 @@ namespace edgeinfer_cpu {
 // 16 and 64 ahead measured alike, docs/BENCHMARKS.md).
 constexpr int64_t kKvAhead = 32;
 
-// A row of `bytes` at p on its way into L1. static: each file keeps its own copy (see above).
+// A row of `bytes` at p on its way into L2 (prefetcht2), not L1: into L1 the op read 12-17 GB/s
+// from memory, into L2 17-22 (16 x 1000 tokens: 13 -> 20 GB/s; a 16-row step's attention 28%
+// shorter; AMD EPYC, docs/BENCHMARKS.md), most likely because a prefetch into L1 holds one of
+// the core's few L1 miss buffers until its line arrives, which bounds the lines in flight;
+// into NTA as slow as into L1. static: each file keeps its own copy (see above).
 static inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 1);
 }
 
 // The cache element types the AVX-512 loops read (int8: the codes; attention.cpp applies their
