@@ -198,6 +198,11 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
                   float* o, const KvScales& sc, float softcap, bool wide) {
   const int64_t stride = len + 8;
   wide = wide && kWide<T>;  // a cache the AVX-512 loops cannot read takes the AVX2 ones
+  // The loops prefetch kKvAhead rows ahead of the one they read, so each pass would begin with
+  // that many rows missed one after another: ask for them together first, the values' during the
+  // softmax (16 sequences of 100 tokens from memory: 80 -> 60 us a layer; docs/BENCHMARKS.md).
+  const int64_t burst = std::min<int64_t>(len, edgeinfer_cpu::kKvAhead);
+  for (int64_t t = 0; t < burst; ++t) edgeinfer_cpu::prefetch_row(k_cache + rows[t], head_dim * sizeof(T));
   if constexpr (kWide<T>) {
     if (wide) edgeinfer_cpu::key_scores_avx512(q, g, k_cache, kv_type<T>(), rows, len, head_dim, scale, scores, stride);
   }
@@ -207,6 +212,7 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
                                          stride);
     });
   }
+  for (int64_t t = 0; t < burst; ++t) edgeinfer_cpu::prefetch_row(v_cache + rows[t], head_dim * sizeof(T));
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * stride;
     if (sc.k_scale != nullptr) {
