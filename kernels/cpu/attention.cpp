@@ -351,9 +351,9 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
       if (t_end > t_begin) {
         rows.resize(t_end - t_begin);
         for (int64_t t = t_begin; t < t_end;) {  // block by block: no division per token
-          const int64_t block = t / block_size;
-          const int64_t base = tables[s * table_stride + block] * block_stride;
-          for (; t < t_end && t / block_size == block; ++t) rows[t - t_begin] = base + (t % block_size) * slot_stride;
+          const int64_t block = t / block_size, stop = std::min(t_end, (block + 1) * block_size);
+          int64_t row = tables[s * table_stride + block] * block_stride + (t - block * block_size) * slot_stride;
+          for (; t < stop; ++t, row += slot_stride) rows[t - t_begin] = row;
         }
         if (sc.k_scale != nullptr) {
           srows.resize(rows.size());
