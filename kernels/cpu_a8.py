@@ -138,6 +138,15 @@ def isa_supported(isa: str) -> bool:
     return torch.ops.edgeinfer_cpu.a8_isa_supported(isa)
 
 
+def run_isa(isa: str, rows: int, terms: int) -> str:
+    """The kernel the op runs when asked for ``isa`` on ``rows`` rows of x with ``terms`` terms:
+    "amx" runs the AVX512-VNNI kernel below its smallest worthwhile block (kernels/cpu/ops.h
+    kA8AmxMinRows); every other ISA runs as asked. The C++ ops must be loaded."""
+    if not hasattr(torch.ops.edgeinfer_cpu, "a8_run_isa"):
+        raise RuntimeError("the C++ CPU ops are not loaded: call kernels.cpu_ops.available() first")
+    return torch.ops.edgeinfer_cpu.a8_run_isa(isa, rows, terms)
+
+
 @functools.cache
 def default_isa() -> str:
     """The kernel to run, decided once: ``EDGEINFER_CPU_ISA`` where set, else the best one this CPU runs."""

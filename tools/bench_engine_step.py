@@ -184,7 +184,7 @@ def forward_only(rows: int, context: int, repeats: int,
         from int8_peak import peak_gops
 
         ops = sum(2 * rows * w.shape[0] * w.shape[1] * w.terms for w in a8)
-        isa = a8_isa(rows, max(w.terms for w in a8))
+        isa = cpu_a8.run_isa(cpu_a8.default_isa(), rows, max(w.terms for w in a8))
         peak = peak_gops(isa, torch.get_num_threads())
         nbytes = sum(w.nbytes for w in a8)
         print(f"  a8 GEMMs: {ops / 1e9:.2f} GOP a step (terms counted) = {ops / fast / 1e9:.0f} GOP/s, "
@@ -216,15 +216,6 @@ def print_phases(model: Any, us: torch.Tensor, step_us: float, call_us: float, h
 def _nbytes(linear: Any) -> int:
     """A prepared linear's kernel bytes (0 for none, or a kernel that does not count them)."""
     return getattr(linear.kernel, "nbytes", 0) if linear is not None else 0
-
-
-def a8_isa(rows: int, terms: int) -> str:
-    """The instruction set the a8 op runs for this many rows of x (kernels/cpu/ops.h's
-    kA8AmxMinRows: AMX from 16 one-term or 12 two-term rows, the best of the others below)."""
-    isas = [isa for isa in cpu_a8.ISAS if cpu_a8.isa_supported(isa)]
-    if isas[0] == "amx" and rows < (16 if terms == 1 else 12):
-        return isas[1]
-    return isas[0]
 
 
 def gemm_on_threads() -> None:

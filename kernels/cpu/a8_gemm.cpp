@@ -290,6 +290,11 @@ at::Tensor a8_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Te
 
 bool a8_isa_supported(const std::string& isa) { return isa_supported(isa); }
 
+std::string a8_run_isa(const std::string& isa, int64_t rows, int64_t terms) {
+  TORCH_CHECK(terms == 1 || terms == 2, "terms must be 1 or 2, got ", terms);
+  return run_isa(isa, rows, terms);
+}
+
 }  // namespace
 
 int64_t edgeinfer_cpu::a8_group(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t k,
@@ -402,6 +407,7 @@ TORCH_LIBRARY_FRAGMENT(edgeinfer_cpu, m) {
   m.def("a8_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? wsum, int n, int k, int group_size, "
         "bool int4, str isa, int terms=1) -> Tensor");
   m.def("a8_isa_supported(str isa) -> bool", &a8_isa_supported);  // no tensors: one kernel for all keys
+  m.def("a8_run_isa(str isa, int rows, int terms) -> str", &a8_run_isa);
 }
 
 TORCH_LIBRARY_IMPL(edgeinfer_cpu, CPU, m) { m.impl("a8_gemm", &a8_gemm); }

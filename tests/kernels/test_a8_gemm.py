@@ -170,6 +170,18 @@ def test_amx_equals_avx512vnni_bit_for_bit(fmt, group, mins, terms, k, m):
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4 * float(reference.abs().max()))
 
 
+def test_run_isa_names_the_kernel_each_row_count_runs():
+    """AMX takes 16 one-term or 12 two-term rows and more (a folded block holds 16 rows of x); below,
+    "amx" runs the AVX512-VNNI kernel; the other ISAs run as asked at every row count."""
+    expected = {(1, 1): "avx512vnni", (15, 1): "avx512vnni", (16, 1): "amx", (300, 1): "amx",
+                (1, 2): "avx512vnni", (11, 2): "avx512vnni", (12, 2): "amx", (16, 2): "amx"}
+    assert {key: cpu_a8.run_isa("amx", *key) for key in expected} == expected
+    for isa in ("avx512vnni", "avxvnni", "avx2"):
+        assert {cpu_a8.run_isa(isa, rows, terms) for rows in (1, 12, 16, 300) for terms in (1, 2)} == {isa}
+    with pytest.raises(RuntimeError, match="terms must be 1 or 2"):
+        cpu_a8.run_isa("amx", 16, 3)
+
+
 def test_isa_override(monkeypatch):
     monkeypatch.setenv(cpu_a8.ISA_ENV, "avx2")
     assert cpu_a8.default_isa.__wrapped__() == "avx2"
