@@ -13,7 +13,7 @@ are 7.4 MB), while a step of the model reads its layers' caches from memory.
 
     python tools/bench_cpu_attention.py [--cases 16x100,16x300,1x300,1x2048,4x1024]
                                         [--kv-dtype fp16|bf16|fp32|int8|int4] [--rounds 2] [--calls 1000]
-                                        [--layers 30] [--ordered]
+                                        [--layers 30] [--ordered] [--isa avx512]
 
 int8 caches carry an fp16 scale per token and head, int4 ones two codes per byte and an fp16
 scale and zero per 32 channels (their bytes, scales included, count in the GB/s).
@@ -74,10 +74,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--layers", type=int, default=1, help="caches called in turn (default: 1, see above)")
     parser.add_argument("--ordered", action="store_true", help="blocks in table order instead of shuffled")
+    parser.add_argument("--isa", choices=("avx2", "avx512"), action="append",
+                        help="only these loops (repeatable; default: every one this CPU runs), e.g. under perf")
     args = parser.parse_args()
     if not cpu_ops.available():
         sys.exit("the C++ CPU ops do not build here")
-    isas = [isa for isa in ("avx2", "avx512") if cpu_ops.attention_isa_supported(isa)]
+    isas = [isa for isa in ("avx2", "avx512") if cpu_ops.attention_isa_supported(isa) and isa in (args.isa or [isa])]
+    if not isas:
+        sys.exit(f"this CPU runs none of {args.isa}")
     print(f"{torch.get_num_threads()} threads, {args.kv_dtype} cache, {HEADS} q / {KV_HEADS} KV heads, "
           f"head_dim {HEAD_DIM}; us per layer, fastest tenth / median (KV GB/s at the fastest tenth)")
     print(f"{'case':>8} {'round':>5} " + " ".join(f"{isa:>24}" for isa in isas))
