@@ -11,7 +11,10 @@
 // table. Work splits over sequences, and over parts of the context where there are fewer
 // sequences than two per thread; a unit runs each KV head in turn, scoring its g query heads
 // together against its keys (each key and value vector loaded once for the g heads), takes an
-// exact softmax (max subtracted, fp32) and sums the values; parts merge by their maxima.
+// exact softmax (max subtracted, fp32) and sums the values; parts merge by their maxima. A
+// prompt chunk's rows (one sequence's table, each row a token longer) go up to 16 to a unit, all
+// their query heads scored against each key together, each row keeping its own first tokens: a
+// 2,000-token prompt prefilled 743 -> 850-870 tok/s (edgeinfer bench, docs/BENCHMARKS.md).
 // At one token per head this is ~15 us per layer instead of ~90 for two bmm's and a softmax.
 // Against a unit per (sequence, KV head) and a pass per query head, per layer of the default
 // model (fp16 cache, 2 threads): one sequence at 4096 tokens 220-257 us against 317-361, 4 at
@@ -191,11 +194,13 @@ float softmax_numerators(float* scores, int64_t len, float* m_out, float softcap
 // row offsets in `rows`, scale indices in `srows`): per head j the largest score m[j], the sum of
 // exp(score - max) l[j] and the unnormalised value sum o + j * head_dim. `scores` must hold
 // g * (len + 8) floats. int8 caches: a key's scale multiplies its score, a value's its softmax
-// weight (after the sum l). `wide`: the AVX-512 loops.
+// weight (after the sum l). `wide`: the AVX-512 loops. With `query_lens`, query j attends to its
+// first query_lens[j] (1..len) tokens only: its later scores are computed and left out, its later
+// values weighted by zero (which adds exactly nothing).
 template <typename T>
 void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache, const int64_t* rows,
                   const int64_t* srows, int64_t len, int64_t head_dim, float scale, float* scores, float* m, float* l,
-                  float* o, const KvScales& sc, float softcap, bool wide) {
+                  float* o, const KvScales& sc, float softcap, bool wide, const int64_t* query_lens = nullptr) {
   const int64_t stride = len + 8;
   wide = wide && kWide<T>;  // a cache the AVX-512 loops cannot read takes the AVX2 ones
   // The loops prefetch kKvAhead rows ahead of the one they read, so each pass would begin with
@@ -215,13 +220,15 @@ void attend_group(const float* q, int64_t g, const T* k_cache, const T* v_cache,
   for (int64_t t = 0; t < burst; ++t) edgeinfer_cpu::prefetch_row(v_cache + rows[t], head_dim * sizeof(T));
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * stride;
+    const int64_t own = query_lens != nullptr ? query_lens[j] : len;
     if (sc.k_scale != nullptr) {
-      for (int64_t t = 0; t < len; ++t) sj[t] *= static_cast<float>(sc.k_scale[srows[t]]);
+      for (int64_t t = 0; t < own; ++t) sj[t] *= static_cast<float>(sc.k_scale[srows[t]]);
     }
-    l[j] = softmax_numerators(sj, len, m + j, softcap);
+    l[j] = softmax_numerators(sj, own, m + j, softcap);
     if (sc.v_scale != nullptr) {
-      for (int64_t t = 0; t < len; ++t) sj[t] *= static_cast<float>(sc.v_scale[srows[t]]);
+      for (int64_t t = 0; t < own; ++t) sj[t] *= static_cast<float>(sc.v_scale[srows[t]]);
     }
+    std::fill(sj + own, sj + len, 0.0f);
   }
   if constexpr (kWide<T>) {
     if (wide) edgeinfer_cpu::weighted_values_avx512(scores, stride, g, v_cache, kv_type<T>(), rows, len, head_dim, o);
@@ -307,6 +314,10 @@ void attend_int4(const float* q, const uint8_t* k_cache, const uint8_t* v_cache,
 }
 
 constexpr int64_t kMinPart = 64;  // tokens: below this a context part is not worth its merge
+// A prompt's rows attended together (decode's row groups): at most this many rows, and query
+// heads, a unit (its scores are queries x context floats).
+constexpr int64_t kMaxGroupRows = 16;
+constexpr int64_t kMaxGroupQueries = 64;
 
 template <typename T>
 void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* tables, int64_t table_stride,
@@ -338,6 +349,28 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
   float* const part_m = partials.data();
   float* const part_l = part_m + items * group;
   float* const part_o = part_l + items * group;
+  // A prompt chunk arrives as rows of one sequence: the same block table, each row one token
+  // longer than the one before. Up to max_rows of them make one unit whose query heads are scored
+  // against each key together (each block of keys and each value converted once for all of them
+  // instead of once per row), each row then keeping only its own first tokens. Only without
+  // context parts (parts == 1), a team or a window that cuts, and not for int4 caches (their own
+  // loops). starts: unit i covers rows [starts[i], starts[i + 1]).
+  std::vector<int64_t> starts;
+  if constexpr (!std::is_same_v<T, uint8_t>) {
+    const int64_t max_rows = std::clamp<int64_t>(std::min(num_seqs / want, kMaxGroupQueries / group), 1, kMaxGroupRows);
+    bool grouped = false;
+    if (parts == 1 && team == nullptr && max_rows > 1 && (window == 0 || max_len <= window)) {
+      for (int64_t s = 0; s < num_seqs; ++s) {
+        const bool joins = !starts.empty() && s - starts.back() < max_rows && lens[s] == lens[s - 1] + 1 &&
+                           std::equal(tables + s * table_stride, tables + (s + 1) * table_stride,
+                                      tables + (s - 1) * table_stride);
+        if (!joins) starts.push_back(s);
+        grouped = grouped || joins;
+      }
+      starts.push_back(num_seqs);
+    }
+    if (!grouped) starts.clear();
+  }
   const auto run_units = [&](int64_t u0, int64_t u1) {
     std::vector<float> scores;
     std::vector<int64_t> rows;  // element offset of each context token's (K or V) row of KV head 0
@@ -405,7 +438,50 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
       }
     }
   };
-  if (team == nullptr) {
+  // Rows [r0, r1) of one sequence (the last the longest) as one unit: per KV head their query
+  // heads gathered side by side, attended together, each output put back in its row's item.
+  const auto run_row_groups = [&](int64_t u0, int64_t u1) {
+    std::vector<float> scores, qs, ms, ls, os;
+    std::vector<int64_t> rows, srows, query_lens;
+    for (int64_t unit = u0; unit < u1; ++unit) {
+      const int64_t r0 = starts[unit], r1 = starts[unit + 1], n = (r1 - r0) * group, len = lens[r1 - 1];
+      rows.resize(len);
+      for (int64_t t = 0; t < len;) {
+        const int64_t block = t / block_size, stop = std::min(len, (block + 1) * block_size);
+        int64_t row = tables[r0 * table_stride + block] * block_stride + (t - block * block_size) * slot_stride;
+        for (; t < stop; ++t, row += slot_stride) rows[t] = row;
+      }
+      if (sc.k_scale != nullptr) {
+        srows.resize(len);
+        for (int64_t t = 0; t < len; ++t) srows[t] = rows[t] / head_dim;
+      }
+      query_lens.resize(n);
+      for (int64_t j = 0; j < n; ++j) query_lens[j] = lens[r0 + j / group];
+      qs.resize(n * head_dim), ms.resize(n), ls.resize(n), os.resize(n * head_dim);
+      scores.resize(n * (len + 8));
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t r = r0; r < r1; ++r) {
+          std::copy_n(q + (r * num_heads + h * group) * head_dim, group * head_dim, qs.data() + (r - r0) * group * head_dim);
+        }
+        KvScales hs = sc;
+        if (sc.k_scale != nullptr) hs = {sc.k_scale + h, sc.v_scale + h, nullptr, nullptr};
+        if constexpr (!std::is_same_v<T, uint8_t>) {  // int4 caches form no groups (above)
+          attend_group(qs.data(), n, k_cache + h * head_dim, v_cache + h * head_dim, rows.data(), srows.data(), len,
+                       head_dim, scale, scores.data(), ms.data(), ls.data(), os.data(), hs, softcap, wide,
+                       query_lens.data());
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t item = r * num_kv_heads + h, at = (r - r0) * group;
+          std::copy_n(ms.data() + at, group, part_m + item * group);
+          std::copy_n(ls.data() + at, group, part_l + item * group);
+          std::copy_n(os.data() + at * head_dim, group * head_dim, part_o + item * group * head_dim);
+        }
+      }
+    }
+  };
+  if (!starts.empty()) {
+    edgeinfer_cpu::balanced_for(0, static_cast<int64_t>(starts.size()) - 1, 1, run_row_groups);
+  } else if (team == nullptr) {
     // Claimed in chunks: sequences' contexts differ in length, so equal counts of units are not equal work.
     edgeinfer_cpu::balanced_for(0, units, 1, run_units);
   } else {  // a few rows: every unit about as long; each thread takes every n-th

@@ -301,6 +301,45 @@ def test_cpu_op_int8_caches_match_brute_force(isa, group, head_dim):
                         tables, group, scale)
 
 
+# Rows as a step's prompt chunks send them, a row per token with its sequence's table: a prompt
+# from position 0, a chunk continuing 40 cached tokens across block edges, a decode row and a
+# verify-style run of 4, so rows of one sequence are attended together in groups (of up to 9
+# here: 37 rows over 4 units a thread's pair) whose last group is short.
+PROMPT_ROWS = [(0, 13), (40, 19), (32, 1), (19, 4)]  # (tokens cached before, rows) per sequence
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (8, 48)])
+def test_cpu_op_prompt_rows_attend_causally(isa, dtype, group, head_dim):
+    if not cpu_ops.attention_isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    totals = [cached + rows for cached, rows in PROMPT_ROWS]
+    gen = torch.Generator().manual_seed(group * head_dim + len(dtype))
+    pool, seq_tables = build("fp32", "fp32", head_dim, 2, totals, seed=group * head_dim)
+    rows_per_seq = torch.tensor([rows for _, rows in PROMPT_ROWS])
+    tables = seq_tables.repeat_interleave(rows_per_seq, dim=0).contiguous()
+    lens = torch.tensor([cached + i + 1 for cached, rows in PROMPT_ROWS for i in range(rows)], dtype=torch.int32)
+    q = _q((len(lens), 2 * group, head_dim), seed=5)
+    scale = head_dim**-0.5
+    kc, vc = pool.k_caches[LAYER].data, pool.v_caches[LAYER].data
+    scales = ()
+    if dtype == "int8":  # codes with a scale per (token, head); the reference reads them dequantized
+        k_scale, v_scale = ((torch.rand(kc.shape[:3], generator=gen) * 0.02 + 0.005).half() for _ in "kv")
+        kc, vc = (torch.randint(-127, 128, kc.shape, generator=gen, dtype=torch.int8) for _ in "kv")
+        scales = (k_scale, v_scale)
+        pool.k_caches[LAYER].data.copy_(kc.float() * k_scale.float()[..., None])
+        pool.v_caches[LAYER].data.copy_(vc.float() * v_scale.float()[..., None])
+    elif dtype == "fp16":
+        kc, vc = kc.half(), vc.half()
+        pool.k_caches[LAYER].data.copy_(kc.float())
+        pool.v_caches[LAYER].data.copy_(vc.float())
+    out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale, isa, *scales)
+    ref = paged_decode_attention_reference(q, pool, LAYER, tables, lens, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
 def test_cpu_op_names_an_unknown_isa_and_missing_scales():
     pool, tables = build("fp16", "fp16", 64, 2, [5])
