@@ -361,7 +361,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
     bool grouped = false;
     if (parts == 1 && team == nullptr && max_rows > 1 && (window == 0 || max_len <= window)) {
       for (int64_t s = 0; s < num_seqs; ++s) {
-        const bool joins = !starts.empty() && s - starts.back() < max_rows && lens[s] == lens[s - 1] + 1 &&
+        const bool joins = !starts.empty() && s - starts.back() < max_rows && lens[s - 1] > 0 && lens[s] == lens[s - 1] + 1 &&
                            std::equal(tables + s * table_stride, tables + (s + 1) * table_stride,
                                       tables + (s - 1) * table_stride);
         if (!joins) starts.push_back(s);
@@ -445,6 +445,13 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
     std::vector<int64_t> rows, srows, query_lens;
     for (int64_t unit = u0; unit < u1; ++unit) {
       const int64_t r0 = starts[unit], r1 = starts[unit + 1], n = (r1 - r0) * group, len = lens[r1 - 1];
+      if (len <= 0) {  // an empty context (a row alone: it joins no group) weighs nothing in the merge
+        const int64_t item = r0 * num_kv_heads;
+        std::fill_n(part_m + item * group, num_kv_heads * group, -INFINITY);
+        std::fill_n(part_l + item * group, num_kv_heads * group, 0.0f);
+        std::fill_n(part_o + item * group * head_dim, num_kv_heads * group * head_dim, 0.0f);
+        continue;
+      }
       rows.resize(len);
       for (int64_t t = 0; t < len;) {
         const int64_t block = t / block_size, stop = std::min(len, (block + 1) * block_size);

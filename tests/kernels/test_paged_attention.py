@@ -338,6 +338,13 @@ def test_cpu_op_prompt_rows_attend_causally(isa, dtype, group, head_dim):
     out = cpu_ops.paged_decode_attention(q, kc, vc, tables, lens, scale, isa, *scales)
     ref = paged_decode_attention_reference(q, pool, LAYER, tables, lens, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # An empty context among them (a row alone) attends to nothing: zeros, as without groups.
+    empty = lens.clone()
+    empty[13] = 0  # the continuing chunk's first row
+    out_empty = cpu_ops.paged_decode_attention(q, kc, vc, tables, empty, scale, isa, *scales)
+    assert torch.equal(out_empty[13], torch.zeros_like(out_empty[13]))
+    keep = torch.arange(len(lens)) != 13
+    torch.testing.assert_close(out_empty[keep], ref[keep], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU ops do not build here")
