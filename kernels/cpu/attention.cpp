@@ -371,28 +371,32 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
     }
     if (!grouped) starts.clear();
   }
+  // rows: the element offset of each of tokens [t_begin, t_end)'s (K or V) row of KV head 0
+  // through the block table `table`; srows (quantized caches): the index of its scale for KV
+  // head 0 (slot * Hkv). Block by block: no division per token.
+  const auto token_rows = [&](const int32_t* table, int64_t t_begin, int64_t t_end, std::vector<int64_t>& rows,
+                              std::vector<int64_t>& srows) {
+    rows.resize(t_end - t_begin);
+    for (int64_t t = t_begin; t < t_end;) {
+      const int64_t block = t / block_size, stop = std::min(t_end, (block + 1) * block_size);
+      int64_t row = table[block] * block_stride + (t - block * block_size) * slot_stride;
+      for (; t < stop; ++t, row += slot_stride) rows[t - t_begin] = row;
+    }
+    if (sc.k_scale != nullptr) {
+      srows.resize(rows.size());
+      for (size_t i = 0; i < rows.size(); ++i) srows[i] = rows[i] / head_dim;
+    }
+  };
   const auto run_units = [&](int64_t u0, int64_t u1) {
     std::vector<float> scores;
-    std::vector<int64_t> rows;  // element offset of each context token's (K or V) row of KV head 0
-    std::vector<int64_t> srows;  // int8 caches: index of each token's scale for KV head 0 (slot * Hkv)
+    std::vector<int64_t> rows, srows;  // token_rows'
     for (int64_t unit = u0; unit < u1; ++unit) {
       const int64_t s = unit / parts, part = unit % parts;
       // A sliding window (Mistral, Phi-3) keeps the last `window` tokens: the query and window - 1 before it.
       const int64_t len = lens[s], first = window > 0 && len > window ? len - window : 0;
       const int64_t span = len - first;
       const int64_t t_begin = first + span * part / parts, t_end = first + span * (part + 1) / parts;
-      if (t_end > t_begin) {
-        rows.resize(t_end - t_begin);
-        for (int64_t t = t_begin; t < t_end;) {  // block by block: no division per token
-          const int64_t block = t / block_size, stop = std::min(t_end, (block + 1) * block_size);
-          int64_t row = tables[s * table_stride + block] * block_stride + (t - block * block_size) * slot_stride;
-          for (; t < stop; ++t, row += slot_stride) rows[t - t_begin] = row;
-        }
-        if (sc.k_scale != nullptr) {
-          srows.resize(rows.size());
-          for (size_t i = 0; i < rows.size(); ++i) srows[i] = rows[i] / head_dim;  // slot * Hkv
-        }
-      }
+      if (t_end > t_begin) token_rows(tables + s * table_stride, t_begin, t_end, rows, srows);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t item = (s * num_kv_heads + h) * parts + part;
         float* m = part_m + item * group;
@@ -452,16 +456,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         std::fill_n(part_o + item * group * head_dim, num_kv_heads * group * head_dim, 0.0f);
         continue;
       }
-      rows.resize(len);
-      for (int64_t t = 0; t < len;) {
-        const int64_t block = t / block_size, stop = std::min(len, (block + 1) * block_size);
-        int64_t row = tables[r0 * table_stride + block] * block_stride + (t - block * block_size) * slot_stride;
-        for (; t < stop; ++t, row += slot_stride) rows[t] = row;
-      }
-      if (sc.k_scale != nullptr) {
-        srows.resize(len);
-        for (int64_t t = 0; t < len; ++t) srows[t] = rows[t] / head_dim;
-      }
+      token_rows(tables + r0 * table_stride, 0, len, rows, srows);
       query_lens.resize(n);
       for (int64_t j = 0; j < n; ++j) query_lens[j] = lens[r0 + j / group];
       qs.resize(n * head_dim), ms.resize(n), ls.resize(n), os.resize(n * head_dim);
