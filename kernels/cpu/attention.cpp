@@ -387,6 +387,13 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
       for (size_t i = 0; i < rows.size(); ++i) srows[i] = rows[i] / head_dim;
     }
   };
+  // KV head h's scales (and int4 zeros): its rows sit h * head_dim into each slot, its scales h
+  // into each slot's (int4: h * head_dim / 32).
+  const auto head_scales = [&](int64_t h) -> KvScales {
+    if (sc.k_scale == nullptr) return sc;
+    const int64_t at = h * (std::is_same_v<T, uint8_t> ? head_dim / 32 : 1);
+    return {sc.k_scale + at, sc.v_scale + at, sc.k_zero ? sc.k_zero + at : nullptr, sc.v_zero ? sc.v_zero + at : nullptr};
+  };
   const auto run_units = [&](int64_t u0, int64_t u1) {
     std::vector<float> scores;
     std::vector<int64_t> rows, srows;  // token_rows'
@@ -408,12 +415,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
           std::fill_n(o, group * head_dim, 0.0f);
           continue;
         }
-        // KV head h: its rows sit h * head_dim into each slot, its scales h into each slot's.
-        KvScales hs = sc;
-        if (sc.k_scale != nullptr) {
-          const int64_t at = h * (std::is_same_v<T, uint8_t> ? head_dim / 32 : 1);
-          hs = {sc.k_scale + at, sc.v_scale + at, sc.k_zero ? sc.k_zero + at : nullptr, sc.v_zero ? sc.v_zero + at : nullptr};
-        }
+        const KvScales hs = head_scales(h);
         const float* qh = q + (s * num_heads + h * group) * head_dim;  // the KV head's query heads
         if constexpr (std::is_same_v<T, uint8_t>) {  // int4 codes, two per byte
           const int64_t len = t_end - t_begin, stride = len + 8;
@@ -465,8 +467,7 @@ void decode(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
         for (int64_t r = r0; r < r1; ++r) {
           std::copy_n(q + (r * num_heads + h * group) * head_dim, group * head_dim, qs.data() + (r - r0) * group * head_dim);
         }
-        KvScales hs = sc;
-        if (sc.k_scale != nullptr) hs = {sc.k_scale + h, sc.v_scale + h, nullptr, nullptr};
+        const KvScales hs = head_scales(h);
         if constexpr (!std::is_same_v<T, uint8_t>) {  // int4 caches form no groups (above)
           attend_group(qs.data(), n, k_cache + h * head_dim, v_cache + h * head_dim, rows.data(), srows.data(), len,
                        head_dim, scale, scores.data(), ms.data(), ls.data(), os.data(), hs, softcap, wide,
